@@ -1,0 +1,102 @@
+"""Torch reference of every op: the specification the CUDA kernels follow. Runs on CPU and GPU.
+
+Shapes: T tokens in the step, Hq query heads, Hkv KV heads, D head dim, H hidden size, F ffn size,
+N KV blocks of `block_size` tokens. Caches are [N, block_size, Hkv, D].
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .metadata import AttentionMetadata
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in fp32, cast back: x [T, H], weight [H] → [T, H]."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual' = x + residual; returns (rms_norm(residual'), residual'). All [T, H]."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2F] holding [gate | up] → silu(gate) * up [T, F]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half (GPT-NeoX / HF Llama) rotary embedding.
+
+    positions [T] int64; q [T, Hq, D]; k [T, Hkv, D]; cos_sin [max_pos, D] fp32 holding [cos | sin] of the
+    D/2 frequencies. Returns rotated (q, k) in their dtype.
+    """
+    half = q.shape[-1] // 2
+    cs = cos_sin[positions]                                  # [T, D]
+    cos = torch.cat([cs[:, :half], cs[:, :half]], -1).unsqueeze(1).to(q.dtype)   # [T, 1, D]
+    sin = torch.cat([cs[:, half:], cs[:, half:]], -1).unsqueeze(1).to(q.dtype)
+
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., :half], x[..., half:]
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    return rot(q), rot(k)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Writes k, v [T, Hkv, D] into the caches at flat slots [T] (in place)."""
+    n, bs, h, d = k_cache.shape
+    k_cache.view(n * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(n * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` cached tokens of one sequence: blocks [nb] → [length, Hkv, D]."""
+    return cache[blocks].flatten(0, 1)[:length]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of each sequence's query tokens over its blocked KV history (this step's K/V
+    already written). q [T, Hq, D] → [T, Hq, D]. GQA: Hq is a multiple of Hkv.
+
+    A sequence with query length L and context length C holds its queries at positions C-L … C-1; query i
+    attends keys 0 … C-L+i. Decodes (L = 1) are batched over a padded gather; prefill chunks loop.
+    """
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    bs = k_cache.shape[1]
+    if nd:
+        nb = -(-max(meta.context_lens_host[:nd]) // bs)
+        tables = meta.block_tables[:nd, :nb]
+        keys = k_cache[tables].flatten(1, 2).transpose(1, 2)            # [nd, Hkv, nb*bs, D]
+        vals = v_cache[tables].flatten(1, 2).transpose(1, 2)
+        pos = torch.arange(nb * bs, device=q.device)
+        mask = (pos[None, :] < meta.context_lens[:nd, None])[:, None, None, :]   # [nd, 1, 1, nb*bs]
+        o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys.to(q.dtype), vals.to(q.dtype),
+                                           attn_mask=mask, scale=scale, enable_gqa=True)
+        out[:nd] = o.squeeze(2)
+    start = nd
+    for s in range(nd, len(meta.query_lens)):
+        qlen, clen = meta.query_lens[s], meta.context_lens_host[s]
+        nb = -(-clen // bs)
+        keys = _gather(k_cache, meta.block_tables[s, :nb], clen).transpose(0, 1).to(q.dtype)  # [Hkv, C, D]
+        vals = _gather(v_cache, meta.block_tables[s, :nb], clen).transpose(0, 1).to(q.dtype)
+        qs = q[start:start + qlen].transpose(0, 1)                         # [Hq, L, D]
+        if qlen == clen:
+            o = F.scaled_dot_product_attention(qs, keys, vals, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            qpos = torch.arange(clen - qlen, clen, device=q.device)
+            mask = torch.arange(clen, device=q.device)[None, :] <= qpos[:, None]   # [L, C]
+            o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start:start + qlen] = o.transpose(0, 1)
+        start += qlen
+    return out

@@ -1,0 +1,99 @@
+"""Frozen configuration: model, KV cache, scheduler. Validated at construction, passed whole.
+
+Keyword arguments from the public entry points (`pipeline(**kwargs)`) are routed to these by field name;
+an unknown key is an error that names it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import InvalidParameterError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+
+
+def default_cache_dir() -> str:
+    """Where converted models live: $MII_ASYNC_CACHE, else ~/.cache/mii_async."""
+    return os.environ.get("MII_ASYNC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "mii_async")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = None           # HF dir, HF repo id (local cache only), .gguf file; None: the default model
+    dtype: str = "auto"                # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"               # auto: cuda when available, else cpu
+    max_model_len: int | None = None   # cap on prompt + output tokens; None: the model's own
+    cache_dir: str = field(default_factory=default_cache_dir)  # converted models
+
+    def __post_init__(self) -> None:
+        dt = _DTYPE_ALIASES.get(str(self.dtype), str(self.dtype))
+        if dt not in DTYPES:
+            raise InvalidParameterError("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", dt)
+        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise InvalidParameterError("device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        _pos_int(self, "max_model_len", optional=True)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16               # tokens per KV block
+    num_blocks: int | None = None      # KV pool size in blocks; None: from kv_cache_memory
+    kv_cache_memory: float = 0.5       # GiB for the KV pool when num_blocks is None (CPU)
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _pos_int(self, "block_size")
+        if self.block_size & (self.block_size - 1):
+            raise InvalidParameterError("block_size", f"must be a power of two, got {self.block_size}")
+        _pos_int(self, "num_blocks", optional=True)
+        if isinstance(self.kv_cache_memory, bool) or not isinstance(self.kv_cache_memory, (int, float)) or not self.kv_cache_memory > 0:
+            raise InvalidParameterError("kv_cache_memory", f"must be a positive number of GiB, got {self.kv_cache_memory!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_tokens: int = 512        # SplitFuse token budget per step (decodes + prompt chunks)
+    max_num_seqs: int = 64             # running sequences at most
+
+    def __post_init__(self) -> None:
+        _pos_int(self, "max_batch_tokens")
+        _pos_int(self, "max_num_seqs")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineConfig:
+        """Routes flat keyword arguments to the sub-configs; an unknown key is an error naming it."""
+        parts: dict[type, dict[str, Any]] = {ModelConfig: {"model": model}, CacheConfig: {}, SchedulerConfig: {}}
+        for key, value in kwargs.items():
+            for sub, vals in parts.items():
+                if key in _field_names(sub):
+                    vals[key] = value
+                    break
+            else:
+                known = sorted(set().union(*(_field_names(s) for s in parts)))
+                raise InvalidParameterError(key, f"unknown option; known ones: {', '.join(known)}")
+        return cls(ModelConfig(**parts[ModelConfig]), CacheConfig(**parts[CacheConfig]),
+                   SchedulerConfig(**parts[SchedulerConfig]))
+
+
+def _field_names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def _pos_int(obj: Any, name: str, optional: bool = False) -> None:
+    v = getattr(obj, name)
+    if optional and v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise InvalidParameterError(name, f"must be a positive integer, got {v!r}")

@@ -1,0 +1,124 @@
+"""SamplingParams: what a caller may ask of one generation, and its validation.
+
+Every value is checked in `__post_init__`; a bad one raises `InvalidParameterError` naming the field, so a bad
+request is answered with an error before any engine sees it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import InvalidParameterError
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 256
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's generation settings. Greedy unless `temperature` > 0 (and `do_sample` is not False)."""
+
+    max_new_tokens: int = 128          # upper bound on generated tokens (finish_reason "length")
+    min_new_tokens: int = 0            # EOS and stop ids are masked until this many tokens exist
+    temperature: float = 0.0           # 0 means greedy
+    top_p: float = 1.0                 # nucleus mass in (0, 1]
+    top_k: int = 0                     # 0 (or -1) disables
+    min_p: float = 0.0                 # drop tokens below min_p * p(max token)
+    repetition_penalty: float = 1.0    # CTRL-style, over prompt and output tokens (HF semantics)
+    presence_penalty: float = 0.0      # OpenAI semantics, over output tokens
+    frequency_penalty: float = 0.0     # OpenAI semantics, over output tokens
+    seed: int | None = None            # per-request generator: same output whatever else is batched
+    stop: tuple[str, ...] = ()         # stop strings, matched across token boundaries
+    stop_token_ids: tuple[int, ...] = ()  # extra ids that end the request (besides EOS)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False           # keep going past EOS (benchmarks)
+    logprobs: int | None = None        # None: none; n: the sampled token's logprob plus the top n
+    skip_special_tokens: bool = True   # when detokenizing
+    return_full_text: bool = False     # DeepSpeed-MII: prepend the prompt to generated_text
+    do_sample: bool | None = None      # DeepSpeed-MII/HF: False forces greedy
+
+    def __post_init__(self) -> None:
+        _int(self, "max_new_tokens", lo=1)
+        _int(self, "min_new_tokens", lo=0)
+        if self.min_new_tokens > self.max_new_tokens:
+            raise InvalidParameterError("min_new_tokens", f"{self.min_new_tokens} exceeds max_new_tokens={self.max_new_tokens}")
+        _float(self, "temperature", lo=0.0, hi=100.0)
+        _float(self, "top_p", lo=0.0, hi=1.0, lo_open=True)
+        _int(self, "top_k", lo=-1)
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        _float(self, "min_p", lo=0.0, hi=1.0)
+        _float(self, "repetition_penalty", lo=0.0, hi=100.0, lo_open=True)
+        _float(self, "presence_penalty", lo=-2.0, hi=2.0)
+        _float(self, "frequency_penalty", lo=-2.0, hi=2.0)
+        if self.seed is not None:
+            _int(self, "seed", lo=0, hi=2**63 - 1)
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise InvalidParameterError("stop", "must be a string or a list of strings")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise InvalidParameterError("stop", f"at most {MAX_STOP_STRINGS} stop strings")
+        for s in stop:
+            if not s or len(s) > MAX_STOP_STRING_LEN:
+                raise InvalidParameterError("stop", f"each stop string must have 1 to {MAX_STOP_STRING_LEN} characters")
+        object.__setattr__(self, "stop", tuple(stop))
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
+            raise InvalidParameterError("stop_token_ids", "must be a list of non-negative token ids")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "return_full_text"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidParameterError(name, "must be true or false")
+        if self.do_sample is not None and not isinstance(self.do_sample, bool):
+            raise InvalidParameterError("do_sample", "must be true, false or null")
+        if self.logprobs is not None:
+            _int(self, "logprobs", lo=0, hi=MAX_LOGPROBS)
+
+    @property
+    def greedy(self) -> bool:
+        return self.do_sample is False or self.temperature == 0.0
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> SamplingParams:
+        """Build from a caller's keyword arguments; an unknown key is an error that names it."""
+        unknown = sorted(set(kwargs) - _FIELDS)
+        if unknown:
+            raise InvalidParameterError(unknown[0], f"unknown sampling parameter; known ones: {', '.join(sorted(_FIELDS))}")
+        return cls(**kwargs)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Checks what needs the model: token ids inside the vocabulary."""
+        for i in self.stop_token_ids:
+            if i >= vocab_size:
+                raise InvalidParameterError("stop_token_ids", f"id {i} is outside the vocabulary (size {vocab_size})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int(p: SamplingParams, name: str, lo: int, hi: int | None = None) -> None:
+    v = getattr(p, name)
+    if not _is_int(v):
+        raise InvalidParameterError(name, f"must be an integer, got {v!r}")
+    if v < lo or (hi is not None and v > hi):
+        raise InvalidParameterError(name, f"must be in [{lo}, {hi if hi is not None else '∞'}], got {v}")
+
+
+def _float(p: SamplingParams, name: str, lo: float, hi: float, lo_open: bool = False) -> None:
+    v = getattr(p, name)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise InvalidParameterError(name, f"must be a number, got {v!r}")
+    v = float(v)
+    if not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
+        raise InvalidParameterError(name, f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}")
+    object.__setattr__(p, name, v)

@@ -1,0 +1,164 @@
+"""Pipeline: the engine in this process, behind a sync call, an async generate and a token stream.
+
+Concurrency: every method may be called from any thread, and the async ones from any event loop, all sharing
+one engine thread that batches whatever is live. Cancellation: cancelling `agenerate`/`stream` (or leaving the
+`async for` early) aborts the request; its KV blocks are freed within a step. Closing: `close()` ends live
+requests with finish_reason "abort"; later calls raise EngineClosedError.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+from typing import Any, AsyncIterator, Sequence
+
+from .config import EngineConfig
+from .engine_thread import EngineThread
+from .errors import InvalidParameterError
+from .outputs import Response, StreamChunk
+from .params import SamplingParams
+from .router.request_state import RequestState
+
+Prompt = Any   # str | list[int] (token ids) | list[dict] (chat messages)
+
+
+class Pipeline:
+    def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = config
+        self._engine = EngineThread(config)
+        self.model_path = self._engine.engine.model_path
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+        self._ids = itertools.count()
+
+    # -- public API ----------------------------------------------------------------------------------
+    def __call__(self, prompts: Prompt | Sequence[Prompt], **params: Any) -> list[Response]:
+        """Generates for each prompt; blocks until all finish. A single prompt still gives a list."""
+        batch = self._prepare_batch(prompts, params)
+        done: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        states: dict[int, RequestState] = {}
+        try:
+            for state in batch:
+                req_id = next(self._ids)
+                states[req_id] = state
+                self._engine.submit(req_id, state.prompt_ids, state.params,
+                                    lambda ev, r=req_id: done.put((r, ev)))
+            while not all(s.finished for s in states.values()):
+                req_id, ev = done.get()
+                self._feed(req_id, states[req_id], ev)
+        finally:
+            for req_id, s in states.items():
+                if not s.finished:
+                    self._engine.abort(req_id)
+        return [s.response() for s in states.values()]
+
+    async def agenerate(self, prompts: Prompt | Sequence[Prompt], **params: Any) -> list[Response]:
+        """Async `__call__`: one Response per prompt, in order."""
+        batch = self._prepare_batch(prompts, params)
+        return list(await asyncio.gather(*(self._run(state) for state in batch)))
+
+    async def stream(self, prompt: Prompt, **params: Any) -> AsyncIterator[StreamChunk]:
+        """Yields a StreamChunk per sampled token, as soon as it is sampled; the last one carries
+        finish_reason and usage. Leaving the loop early or cancelling aborts the request."""
+        state = self._prepare(prompt, SamplingParams.from_kwargs(**params))
+        req_id = next(self._ids)
+        q = self._async_sink(req_id, state)
+        try:
+            while True:
+                chunk = await q.get()
+                if chunk is None:
+                    continue
+                yield chunk
+                if state.finished:
+                    return
+        finally:
+            if not state.finished:
+                self._engine.abort(req_id)
+
+    def chat(self, messages: list[dict[str, str]], **params: Any) -> Response:
+        """One chat turn through the tokenizer's chat template."""
+        return self([messages], **params)[0]
+
+    def stats(self) -> dict[str, int]:
+        """KV pool and scheduler counters (blocks used/free, prefix hits, preemptions, …)."""
+        return self._engine.stats()
+
+    def close(self) -> None:
+        self._engine.close()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- internals -----------------------------------------------------------------------------------
+    async def _run(self, state: RequestState) -> Response:
+        req_id = next(self._ids)
+        q = self._async_sink(req_id, state)
+        try:
+            while not state.finished:
+                await q.get()
+        finally:
+            if not state.finished:
+                self._engine.abort(req_id)
+        return state.response()
+
+    def _async_sink(self, req_id: int, state: RequestState) -> asyncio.Queue[StreamChunk | None]:
+        """Submits the request; engine events are processed on the caller's loop, in order."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[StreamChunk | None] = asyncio.Queue()
+
+        def on_loop(ev: Any) -> None:
+            q.put_nowait(self._feed(req_id, state, ev))
+
+        self._engine.submit(req_id, state.prompt_ids, state.params,
+                            lambda ev: loop.call_soon_threadsafe(on_loop, ev))
+        return q
+
+    def _feed(self, req_id: int, state: RequestState, ev: Any) -> StreamChunk | None:
+        chunk = state.on_event(ev)
+        if state.needs_abort:
+            state.needs_abort = False
+            self._engine.abort(req_id)    # a stop string ended it before the engine knew
+        return chunk
+
+    def _prepare_batch(self, prompts: Prompt | Sequence[Prompt], params: dict[str, Any]) -> list[RequestState]:
+        sp = SamplingParams.from_kwargs(**params)
+        if isinstance(prompts, str) or _is_token_ids(prompts) or _is_messages(prompts):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise InvalidParameterError("prompts", "must be a non-empty list of prompts")
+        return [self._prepare(p, sp) for p in prompts]
+
+    def _prepare(self, prompt: Prompt, params: SamplingParams) -> RequestState:
+        """Tokenizes a text, a list of token ids or chat messages; validation errors name `prompt`."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt)["input_ids"]
+            text: str | None = prompt
+        elif _is_token_ids(prompt):
+            ids, text = list(prompt), None
+        elif _is_messages(prompt):
+            text = self.apply_chat_template(prompt)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            raise InvalidParameterError("prompt", "must be a string, a list of token ids or a list of chat messages")
+        self._engine.engine.check_request(ids, params)
+        return RequestState(self.tokenizer, text, ids, params)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        for i, m in enumerate(messages):
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise InvalidParameterError(f"messages[{i}]", "needs a string 'role' and a string 'content'")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise InvalidParameterError("messages", "this model's tokenizer has no chat template")
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def _is_token_ids(p: Any) -> bool:
+    return isinstance(p, (list, tuple)) and bool(p) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+
+
+def _is_messages(p: Any) -> bool:
+    return isinstance(p, (list, tuple)) and bool(p) and all(isinstance(m, dict) for m in p)

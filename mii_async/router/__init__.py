@@ -1,0 +1,1 @@
+"""The router side: incremental detokenization (used by the local pipeline too)."""

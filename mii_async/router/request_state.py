@@ -1,0 +1,78 @@
+"""RequestState: one request's consumer side — engine events in, StreamChunks out, a Response at the end.
+
+Engine events are the sampled token (with optional logprobs and the engine's finish reason) or `Ended` (abort,
+error). Text goes through the IncrementalDetokenizer, so deltas are UTF-8 safe and stop strings end the
+request here: the owner must then abort it in the engine (`needs_abort`). Imports no torch.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from ..outputs import Logprob, Response, StreamChunk, Usage
+from ..params import SamplingParams
+from .detokenizer import IncrementalDetokenizer
+
+
+class Ended(NamedTuple):
+    """The engine ended a request without a token: "abort" or "error"."""
+    reason: str
+    error: str | None = None
+
+
+class RequestState:
+    def __init__(self, tokenizer: Any, prompt: str | None, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.prompt = prompt
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, stop=params.stop,
+                                             include_stop_str_in_output=params.include_stop_str_in_output,
+                                             skip_special_tokens=params.skip_special_tokens)
+        self.output_ids: list[int] = []
+        self.logprobs: list[Logprob] | None = [] if params.logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.needs_abort = False          # set when a stop string ended the request before the engine did
+        self.cached_tokens = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def on_event(self, ev: Any) -> StreamChunk | None:
+        """Feeds one engine event; returns the chunk to stream, or None once finished."""
+        if self.finished:
+            return None
+        if isinstance(ev, Ended):
+            text = self._detok.flush()
+            self.finish_reason, self.error = ev.reason, ev.error
+            return self._chunk(text, [], None)
+        tok: int = ev.token_id
+        self.output_ids.append(tok)
+        lp = None
+        if self.logprobs is not None and ev.logprobs is not None:
+            lp = Logprob(tok, ev.logprobs.logprob, list(ev.logprobs.top))
+            self.logprobs.append(lp)
+        delta = self._detok.push([tok])
+        text = delta.text
+        if delta.stopped:
+            self.finish_reason = "stop"
+            self.needs_abort = ev.finish_reason is None
+        elif ev.finish_reason is not None:
+            text += self._detok.flush()
+            self.finish_reason = ev.finish_reason
+        return self._chunk(text, [tok], [lp] if lp is not None else None)
+
+    def _chunk(self, text: str, ids: list[int], lps: list[Logprob] | None) -> StreamChunk:
+        usage = self.usage() if self.finished else None
+        return StreamChunk(text, ids, lps, self.finish_reason, usage, self.error)
+
+    def usage(self) -> Usage:
+        return Usage(len(self.prompt_ids), len(self.output_ids), self.cached_tokens)
+
+    def response(self) -> Response:
+        assert self.finished, "response() before the request finished"
+        text = self._detok.text
+        if self.params.return_full_text and self.prompt is not None:
+            text = self.prompt + text
+        return Response(text, len(self.prompt_ids), len(self.output_ids), self.finish_reason or "error",
+                        list(self.output_ids), list(self.prompt_ids), self.logprobs, self.usage(), self.error)

@@ -1,0 +1,145 @@
+"""Blocked KV cache bookkeeping: free list, reference counts, prefix cache. Ints only, no tensors.
+
+Invariants (checked by `check_invariants` in tests):
+- a block is either free (in `_free`, ref count 0) or referenced (ref count = number of sequences whose block
+  table holds it); never both, never lost;
+- a cached block (one with a prefix hash) may be free: it stays findable until it is evicted, least recently
+  freed first, when a fresh block is needed;
+- a block's hash covers its own tokens and, by chaining, every token before it, so a hit on block i implies
+  hits on blocks 0 … i-1.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable, NamedTuple
+
+from .sequence import Sequence
+
+_Key = tuple  # (parent hash or None, tuple of block_size token ids)
+
+
+class CacheStats(NamedTuple):
+    num_blocks: int
+    num_free: int            # free blocks (including cached ones that are evictable)
+    num_cached: int          # blocks currently holding a registered prefix
+    hit_tokens: int          # prompt tokens served from the cache, since start
+    query_tokens: int        # prompt tokens looked up, since start
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        assert num_blocks > 0 and block_size > 0, "a KV pool needs blocks"
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref = [0] * num_blocks
+        # Free blocks in eviction order: the front is taken first. Uncached blocks go to the front, cached
+        # ones to the back, so a cached prefix survives as long as possible.
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._hash_of: dict[int, int] = {}          # block → its chained hash
+        self._key_of: dict[int, _Key] = {}          # block → (parent, tokens), verified on a hit
+        self._block_of: dict[int, int] = {}         # chained hash → block
+        self.hit_tokens = 0
+        self.query_tokens = 0
+
+    # -- queries -------------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = seq.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(seq.block_table))
+
+    def max_appendable(self, seq: Sequence) -> int:
+        """How many new tokens `seq` could take now: the slack in its last block plus the free blocks."""
+        slack = len(seq.block_table) * self.block_size - seq.num_computed_tokens
+        return slack + self.num_free * self.block_size
+
+    def stats(self) -> CacheStats:
+        return CacheStats(self.num_blocks, self.num_free, len(self._hash_of), self.hit_tokens, self.query_tokens)
+
+    # -- allocation ----------------------------------------------------------------------------------
+    def append(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Gives `seq` the blocks its next `num_new_tokens` need; the caller checked they are free."""
+        need = self.blocks_needed(seq, num_new_tokens)
+        assert need <= self.num_free, f"append of {need} blocks with {self.num_free} free"
+        for _ in range(need):
+            block, _ = self._free.popitem(last=False)
+            self._evict(block)
+            self._ref[block] = 1
+            seq.block_table.append(block)
+
+    def free(self, seq: Sequence) -> None:
+        """Releases every block of `seq` (finish, abort, preemption). Tail blocks are evicted first."""
+        for block in reversed(seq.block_table):
+            self._ref[block] -= 1
+            assert self._ref[block] >= 0, f"block {block} released twice"
+            if self._ref[block] == 0:
+                self._free[block] = None
+                if block not in self._hash_of:
+                    self._free.move_to_end(block, last=False)
+        seq.block_table = []
+
+    def _evict(self, block: int) -> None:
+        h = self._hash_of.pop(block, None)
+        if h is not None:
+            del self._key_of[block]
+            if self._block_of.get(h) == block:
+                del self._block_of[h]
+
+    # -- prefix cache --------------------------------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> None:
+        """At admission of a sequence with no blocks: takes the cached blocks of its longest cached prefix
+        of full blocks, leaving at least one token to compute (its logits give the next token)."""
+        assert not seq.block_table and seq.num_computed_tokens == 0, "match_prefix on a sequence with blocks"
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        self.query_tokens += seq.prompt_len
+        if not self.enable_prefix_caching:
+            return
+        parent: int | None = None
+        for i in range(max_blocks):
+            key = (parent, tuple(seq.token_ids(i * self.block_size, (i + 1) * self.block_size)))
+            h = hash(key)
+            block = self._block_of.get(h)
+            if block is None or self._key_of[block] != key:
+                break
+            if self._ref[block] == 0:
+                del self._free[block]
+            self._ref[block] += 1
+            seq.block_table.append(block)
+            parent = h
+        n = len(seq.block_table)
+        seq.num_computed_tokens = n * self.block_size
+        seq.num_hashed_blocks, seq.last_block_hash = n, parent
+        seq.num_cached_prompt_tokens = min(seq.num_computed_tokens, seq.prompt_len)
+        self.hit_tokens += seq.num_cached_prompt_tokens
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """After a step: records the hash of every block of `seq` that is now full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        for i in range(seq.num_hashed_blocks, full):
+            key = (seq.last_block_hash, tuple(seq.token_ids(i * self.block_size, (i + 1) * self.block_size)))
+            h = hash(key)
+            block = seq.block_table[i]
+            if h not in self._block_of:   # an identical block computed concurrently keeps the entry
+                self._block_of[h] = block
+                self._hash_of[block] = h
+                self._key_of[block] = key
+            seq.last_block_hash = h
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
+
+    # -- checks --------------------------------------------------------------------------------------
+    def check_invariants(self, seqs: Iterable[Sequence]) -> None:
+        owners = [0] * self.num_blocks
+        for s in seqs:
+            assert len(set(s.block_table)) == len(s.block_table), f"seq {s.req_id} holds a block twice"
+            for b in s.block_table:
+                owners[b] += 1
+        for b in range(self.num_blocks):
+            assert owners[b] == self._ref[b], f"block {b}: ref {self._ref[b]} but {owners[b]} owners"
+            assert (b in self._free) == (self._ref[b] == 0), f"block {b}: free={b in self._free} ref={self._ref[b]}"
+        for h, b in self._block_of.items():
+            assert self._hash_of.get(b) == h, f"hash table entry of block {b} is stale"

@@ -1,0 +1,146 @@
+"""Engine: one replica's model, KV pool, scheduler and sampler, advanced one step at a time.
+
+Not thread-safe: one thread (the local pipeline's engine thread, or a worker's loop) owns it. `check_request`
+is pure and may be called from any thread, before a request is handed over.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from mii_async.config import EngineConfig
+from mii_async.errors import InvalidParameterError, RequestTooLongError
+from mii_async.kernels import get_ops
+from mii_async.model_source import resolve_model
+from mii_async.params import SamplingParams
+
+from . import kv_cache
+from .block_manager import BlockManager
+from .loader import WeightReader, load_spec
+from .models.llama import LlamaModel
+from .runner import Runner
+from .sampler import Sampler, TokenLogprobs
+from .scheduler import Scheduler
+from .sequence import Sequence, Status
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EngineOutput(NamedTuple):
+    req_id: int
+    token_id: int                       # the token sampled this step
+    logprobs: TokenLogprobs | None
+    finish_reason: str | None           # "stop" (EOS / stop id) | "length" | None while running
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, model_path: Path | None = None) -> None:
+        mc = config.model
+        self.config = config
+        self.model_path = model_path or resolve_model(mc.model, mc.cache_dir)
+        self.spec = spec = load_spec(self.model_path)
+        dev = mc.device if mc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(dev)
+        dtype_name = mc.dtype if mc.dtype != "auto" else ("float32" if self.device.type == "cpu" else "bfloat16")
+        self.dtype = _DTYPES[dtype_name]
+        limit = spec.max_position_embeddings
+        if spec.sliding_window:
+            limit = min(limit, spec.sliding_window)  # dense attention is exact only inside the window
+        self.max_model_len = min(mc.max_model_len or limit, limit)
+        t0 = time.perf_counter()
+        self.model = LlamaModel.load(spec, WeightReader(self.model_path), self.dtype, self.device,
+                                     self.max_model_len, get_ops("reference"))
+        self.load_seconds = time.perf_counter() - t0
+        cc = config.cache
+        per_block = kv_cache.bytes_per_block(spec, cc.block_size, self.dtype)
+        self.num_blocks = cc.num_blocks or max(1, int(cc.kv_cache_memory * 2**30 // per_block))
+        self.kv = kv_cache.allocate(spec, self.num_blocks, cc.block_size, self.dtype, self.device)
+        self.block_manager = BlockManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.runner = Runner(self.model, self.kv, cc.block_size, self.device)
+        self.sampler = Sampler(spec.vocab_size, spec.eos_token_ids, self.device)
+        self.seqs: dict[int, Sequence] = {}
+        self.num_steps = 0
+
+    # -- requests ------------------------------------------------------------------------------------
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt + output) one request may hold: the context and the whole pool bound it."""
+        return min(self.max_model_len, self.num_blocks * self.config.cache.block_size)
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raises an InvalidParameterError naming what makes the request impossible."""
+        if not prompt_ids:
+            raise InvalidParameterError("prompt", "must hold at least one token")
+        bad = next((t for t in prompt_ids if not 0 <= t < self.spec.vocab_size), None)
+        if bad is not None:
+            raise InvalidParameterError("prompt", f"token id {bad} is outside the vocabulary (size {self.spec.vocab_size})")
+        params.check_vocab(self.spec.vocab_size)
+        total = len(prompt_ids) + params.max_new_tokens
+        if total > self.max_model_len:
+            raise RequestTooLongError("max_new_tokens", f"prompt ({len(prompt_ids)} tokens) + max_new_tokens "
+                                      f"({params.max_new_tokens}) exceeds the model's context of {self.max_model_len}")
+        if total > self.max_request_tokens:
+            raise RequestTooLongError("max_new_tokens", f"prompt ({len(prompt_ids)} tokens) + max_new_tokens "
+                                      f"({params.max_new_tokens}) exceeds the KV pool of {self.max_request_tokens} tokens")
+
+    def add_request(self, req_id: int, prompt_ids: list[int], params: SamplingParams) -> None:
+        assert req_id not in self.seqs, f"request id {req_id} is already live"
+        self.check_request(prompt_ids, params)
+        seq = Sequence(req_id, list(prompt_ids), params)
+        self.seqs[req_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, req_id: int) -> bool:
+        """Ends a request now and frees its blocks; False if it was not live."""
+        seq = self.seqs.pop(req_id, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        self.sampler.release(req_id)
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step ------------------------------------------------------------------------------------
+    def step(self) -> list[EngineOutput]:
+        plan = self.scheduler.schedule()
+        if not plan:
+            return []
+        logits = self.runner.execute(plan)
+        for s in plan.seqs:
+            self.scheduler.commit(self.seqs[s.req_id], len(s.token_ids))
+        sampled = [self.seqs[s.req_id] for s in plan.seqs if s.sample]
+        result = self.sampler(logits, sampled)
+        outputs = []
+        for seq, tok, lp in zip(sampled, result.token_ids, result.logprobs):
+            seq.output_ids.append(tok)
+            reason = self._finish_reason(seq, tok)
+            if reason is not None:
+                self.abort(seq.req_id)
+            outputs.append(EngineOutput(seq.req_id, tok, lp, reason))
+        self.num_steps += 1
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
+        p = seq.params
+        n = len(seq.output_ids)
+        if n >= p.min_new_tokens and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.spec.eos_token_ids)):
+            return "stop"
+        if n >= p.max_new_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def stats(self) -> dict[str, int]:
+        cs = self.block_manager.stats()
+        return {
+            "num_blocks": cs.num_blocks, "free_blocks": cs.num_free, "used_blocks": cs.num_blocks - cs.num_free,
+            "cached_blocks": cs.num_cached, "prefix_hit_tokens": cs.hit_tokens, "prefix_query_tokens": cs.query_tokens,
+            "running": sum(1 for s in self.seqs.values() if s.status is Status.RUNNING),
+            "waiting": sum(1 for s in self.seqs.values() if s.status is Status.WAITING),
+            "preemptions": self.scheduler.num_preemptions, "steps": self.num_steps,
+        }

@@ -1,0 +1,54 @@
+"""Sequence: one request's state inside the engine. Plain ints and lists; no torch."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from mii_async.params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"      # queued, or preempted and requeued for recompute
+    RUNNING = "running"      # holds KV blocks, scheduled every step
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    req_id: int                          # the caller's id, unique while the request lives
+    prompt_ids: list[int]                # the prompt, fixed
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)   # sampled tokens, in order
+    num_computed_tokens: int = 0         # tokens whose K/V are in the cache (reset to 0 on preemption)
+    block_table: list[int] = field(default_factory=list)  # KV block ids, in token order
+    num_hashed_blocks: int = 0           # leading full blocks registered in the prefix cache
+    last_block_hash: int | None = None   # chained hash of block num_hashed_blocks - 1
+    status: Status = Status.WAITING
+    num_cached_prompt_tokens: int = 0    # prompt tokens served from the prefix cache at admission
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p:end - p]
+        return self.prompt_ids[start:] + self.output_ids[:end - p]
+
+    def reset_for_recompute(self) -> None:
+        """After preemption: the blocks are gone; prompt + output so far will be prefilled again."""
+        self.num_computed_tokens = 0
+        self.block_table = []
+        self.num_hashed_blocks = 0
+        self.last_block_hash = None
+        self.status = Status.WAITING
+        self.num_preemptions += 1
