@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .pipeline import Pipeline
+    from .local_pipeline import Pipeline
 
 
 def pipeline(model: str | None = None, **kwargs: Any) -> Pipeline:
@@ -15,6 +15,6 @@ def pipeline(model: str | None = None, **kwargs: Any) -> Pipeline:
     enable_prefix_caching, max_batch_tokens, max_num_seqs); an unknown one raises InvalidParameterError.
     """
     from .config import EngineConfig
-    from .pipeline import Pipeline
+    from .local_pipeline import Pipeline
 
     return Pipeline(EngineConfig.from_kwargs(model, **kwargs))

@@ -34,6 +34,7 @@ class EngineOutput(NamedTuple):
     token_id: int                       # the token sampled this step
     logprobs: TokenLogprobs | None
     finish_reason: str | None           # "stop" (EOS / stop id) | "length" | None while running
+    cached_tokens: int                  # prompt tokens this request took from the prefix cache
 
 
 class Engine:
@@ -122,7 +123,7 @@ class Engine:
             reason = self._finish_reason(seq, tok)
             if reason is not None:
                 self.abort(seq.req_id)
-            outputs.append(EngineOutput(seq.req_id, tok, lp, reason))
+            outputs.append(EngineOutput(seq.req_id, tok, lp, reason, seq.num_cached_prompt_tokens))
         self.num_steps += 1
         return outputs
 

@@ -49,7 +49,7 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """logits [S, V] fp32 (one row per sampled sequence, in `seqs` order) → one token per row."""
-        logits = logits[:, : self.vocab_size].float()
+        logits = logits[:, : self.vocab_size].to(torch.float32, copy=True)   # penalties write in place
         self._penalize(logits, seqs)
         want_lp = [s.params.logprobs for s in seqs]
         logprobs = torch.log_softmax(logits, -1) if any(n is not None for n in want_lp) else None

@@ -47,6 +47,7 @@ class RequestState:
             self.finish_reason, self.error = ev.reason, ev.error
             return self._chunk(text, [], None)
         tok: int = ev.token_id
+        self.cached_tokens = ev.cached_tokens
         self.output_ids.append(tok)
         lp = None
         if self.logprobs is not None and ev.logprobs is not None:

@@ -1,0 +1,68 @@
+"""Every sampling and engine option is validated, and the error names the parameter."""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+
+from mii_async.config import EngineConfig
+from mii_async.errors import InvalidParameterError
+from mii_async.params import SamplingParams
+
+BAD_SAMPLING = [
+    ("max_new_tokens", -1), ("max_new_tokens", 0), ("max_new_tokens", 1.5), ("max_new_tokens", True),
+    ("min_new_tokens", -2), ("temperature", math.nan), ("temperature", -0.1), ("temperature", math.inf),
+    ("temperature", "hot"), ("top_p", 0.0), ("top_p", 1.5), ("top_p", math.nan), ("top_k", -5),
+    ("min_p", 1.2), ("repetition_penalty", 0.0), ("presence_penalty", 3.0), ("frequency_penalty", -2.5),
+    ("seed", -1), ("seed", "x"), ("stop", [""]), ("stop", [1, 2]), ("stop", ["x"] * 17),
+    ("stop_token_ids", [-1]), ("stop_token_ids", "2"), ("logprobs", 21), ("logprobs", -1),
+    ("ignore_eos", "yes"), ("do_sample", 1),
+]
+
+
+@pytest.mark.parametrize("name,value", BAD_SAMPLING)
+def test_bad_sampling_value_names_the_parameter(name, value):
+    """A bad value raises InvalidParameterError whose .param and message name the field."""
+    with pytest.raises(InvalidParameterError) as info:
+        SamplingParams.from_kwargs(**{name: value})
+    assert info.value.param == name and name in str(info.value)
+
+
+def test_min_above_max_is_rejected():
+    """min_new_tokens above max_new_tokens is an error naming min_new_tokens."""
+    with pytest.raises(InvalidParameterError, match="min_new_tokens"):
+        SamplingParams(max_new_tokens=4, min_new_tokens=5)
+
+
+def test_unknown_keys_are_rejected():
+    """An unknown sampling key or engine option is an error naming it."""
+    with pytest.raises(InvalidParameterError, match="max_tokenz"):
+        SamplingParams.from_kwargs(max_tokenz=3)
+    with pytest.raises(InvalidParameterError, match="kv_blocks"):
+        EngineConfig.from_kwargs(None, kv_blocks=3)
+
+
+@pytest.mark.parametrize("name,value", [("dtype", "int3"), ("device", "tpu"), ("block_size", 12),
+                                        ("num_blocks", 0), ("max_batch_tokens", -1), ("max_num_seqs", 0),
+                                        ("kv_cache_memory", 0), ("max_model_len", 0)])
+def test_bad_engine_option_names_it(name, value):
+    """Bad engine options raise InvalidParameterError naming the option."""
+    with pytest.raises(InvalidParameterError) as info:
+        EngineConfig.from_kwargs(None, **{name: value})
+    assert info.value.param == name
+
+
+def test_normalisation():
+    """A single stop string becomes a tuple, top_k=-1 means off, dtype aliases resolve."""
+    p = SamplingParams(stop="\n", top_k=-1)
+    assert p.stop == ("\n",) and p.top_k == 0 and p.greedy
+    assert EngineConfig.from_kwargs(None, dtype="bf16").model.dtype == "bfloat16"
+
+
+def test_import_is_light():
+    """`import mii_async` loads neither torch nor cupy nor transformers."""
+    code = "import sys, mii_async; print(sorted(m for m in ('torch', 'cupy', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -1,0 +1,178 @@
+"""The local pipeline API on the default model: sync, async, streaming, chat, stops, seeds, errors."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+import mii_async
+from mii_async.errors import InvalidParameterError, ModelNotFoundError, RequestTooLongError, UnsupportedModelError
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_chat_answers_paris(default_pipe):
+    """The default model answers the capital question greedily, ending on EOS."""
+    r = default_pipe.chat(CHAT, max_new_tokens=32)
+    assert r.generated_text == "The capital of France is Paris."
+    assert r.finish_reason == "stop" and r.generated_length < 32
+    assert r.usage.prompt_tokens == r.prompt_length and r.usage.completion_tokens == r.generated_length
+
+
+def test_response_fields(default_pipe):
+    """pipe(prompts) returns one Response per prompt with MII's fields; max_new_tokens gives "length"."""
+    rs = default_pipe(["DeepSpeed-MII is", "大模型推理部署的核心难点是"], max_new_tokens=16, ignore_eos=True)
+    assert len(rs) == 2
+    for r in rs:
+        assert r.finish_reason == "length" and r.generated_length == 16 == len(r.token_ids)
+        assert r.prompt_length == len(r.prompt_token_ids) > 0 and r.generated_text
+    assert default_pipe("Hello", max_new_tokens=2, return_full_text=True)[0].generated_text.startswith("Hello")
+
+
+def test_stream_concatenation_equals_generate(default_pipe):
+    """Streamed deltas, concatenated, equal the generate result for the same seed; the last has usage."""
+    params = dict(max_new_tokens=40, temperature=0.8, top_p=0.95, seed=123, ignore_eos=True)
+    expected = default_pipe("Write a haiku about the sea.", **params)[0]
+
+    async def collect():
+        return [c async for c in default_pipe.stream("Write a haiku about the sea.", **params)]
+
+    chunks = asyncio.run(collect())
+    assert "".join(c.text for c in chunks) == expected.generated_text
+    assert [t for c in chunks for t in c.token_ids] == expected.token_ids
+    assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 40
+    assert all(c.finish_reason is None for c in chunks[:-1])
+
+
+def test_many_concurrent_streams(default_pipe):
+    """32 concurrent streams on one pipeline all complete with their own, correct lengths."""
+    async def one(i):
+        n = 0
+        async for c in default_pipe.stream(f"Count to {i}:", max_new_tokens=4 + i % 5, ignore_eos=True):
+            n += len(c.token_ids)
+        return n
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(32)))
+
+    assert asyncio.run(main()) == [4 + i % 5 for i in range(32)]
+
+
+def test_seed_reproduces_whatever_the_batch(default_pipe):
+    """A seeded sampled request gives the same text alone and among other requests; another seed differs."""
+    params = dict(max_new_tokens=24, temperature=1.0, ignore_eos=True)
+    alone = default_pipe("Tell me a story", seed=42, **params)[0].generated_text
+    together = default_pipe(["Tell me a story", "Another prompt", "And one more"], seed=42, **params)
+    assert together[0].generated_text == alone
+    assert default_pipe("Tell me a story", seed=43, **params)[0].generated_text != alone
+
+
+def test_top_k_one_is_greedy(default_pipe):
+    """Sampling with top_k=1 equals greedy decoding."""
+    greedy = default_pipe("The best way to learn is", max_new_tokens=16)[0].token_ids
+    assert default_pipe("The best way to learn is", max_new_tokens=16, temperature=1.0, top_k=1)[0].token_ids == greedy
+
+
+def test_stop_string_across_token_boundaries(default_pipe):
+    """A stop string spanning two tokens (starting mid-token) ends the request before it, or with it if asked."""
+    prompt = "Once upon a time"
+    base = default_pipe(prompt, max_new_tokens=30, ignore_eos=True)[0]
+    tok = default_pipe.tokenizer
+    pieces = [tok.decode(base.token_ids[:i]) for i in range(len(base.token_ids) + 1)]
+    # a boundary after token k: the stop string takes the last 2 chars of token k and 2 of token k+1
+    k = next(i for i in range(3, len(pieces) - 2)
+             if len(pieces[i]) - len(pieces[i - 1]) >= 3 and len(pieces[i + 1]) - len(pieces[i]) >= 3)
+    cut = len(pieces[k])
+    stop = base.generated_text[cut - 2:cut + 2]
+    first = base.generated_text.find(stop)
+    r = default_pipe(prompt, max_new_tokens=30, ignore_eos=True, stop=[stop])[0]
+    assert r.finish_reason == "stop" and r.generated_text == base.generated_text[:first]
+    r = default_pipe(prompt, max_new_tokens=30, ignore_eos=True, stop=stop, include_stop_str_in_output=True)[0]
+    assert r.generated_text == base.generated_text[:first + len(stop)]
+
+
+def test_stop_token_ids_and_min_new_tokens(default_pipe):
+    """stop_token_ids end a request on that token; min_new_tokens holds EOS back."""
+    base = default_pipe.chat(CHAT, max_new_tokens=32)
+    stop_id = base.token_ids[3]
+    r = default_pipe.chat(CHAT, max_new_tokens=32, stop_token_ids=[stop_id])
+    assert r.token_ids == base.token_ids[:4] and r.finish_reason == "stop"
+    r = default_pipe.chat(CHAT, max_new_tokens=20, min_new_tokens=20)
+    assert r.generated_length == 20 and r.finish_reason == "length"
+
+
+def test_logprobs(default_pipe):
+    """logprobs=n gives each token's logprob and the n best, sorted; greedy picks the best."""
+    r = default_pipe("The capital of France is", max_new_tokens=5, logprobs=3)[0]
+    assert len(r.logprobs) == 5
+    for tid, lp in zip(r.token_ids, r.logprobs):
+        assert lp.token_id == tid and len(lp.top) == 3
+        assert lp.top[0][0] == tid and abs(lp.top[0][1] - lp.logprob) < 1e-6
+        assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1] and lp.logprob <= 0
+
+
+def test_leaving_a_stream_frees_kv(default_pipe):
+    """Breaking out of a stream aborts the request: KV block usage returns to its idle baseline."""
+    async def main():
+        async for c in default_pipe.stream("Tell me everything about Paris", max_new_tokens=200, ignore_eos=True):
+            if len(c.token_ids) and c.text:
+                break
+        for _ in range(100):
+            if default_pipe.stats()["used_blocks"] == 0:
+                return True
+            await asyncio.sleep(0.02)
+        return False
+
+    assert asyncio.run(main())
+    assert default_pipe.stats()["running"] == 0
+
+
+def test_cancelling_agenerate_frees_kv(default_pipe):
+    """Cancelling an agenerate task aborts its requests and frees their blocks."""
+    async def main():
+        task = asyncio.create_task(default_pipe.agenerate(["a", "b", "c"], max_new_tokens=500, ignore_eos=True))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.3)
+
+    asyncio.run(main())
+    assert default_pipe.stats()["used_blocks"] == 0
+
+
+def test_request_errors_name_the_parameter(default_pipe):
+    """Impossible or malformed requests fail at once with an error naming the parameter; the engine lives on."""
+    with pytest.raises(RequestTooLongError, match="max_new_tokens"):
+        default_pipe("hi", max_new_tokens=10**6)
+    with pytest.raises(InvalidParameterError, match="prompt"):
+        default_pipe([3.5])
+    with pytest.raises(InvalidParameterError, match="prompt"):
+        default_pipe([[10**9]])
+    with pytest.raises(InvalidParameterError, match="temperature"):
+        default_pipe("hi", temperature=float("nan"))
+    with pytest.raises(InvalidParameterError, match="messages"):
+        default_pipe.chat([{"role": "user"}])
+    assert default_pipe("hi", max_new_tokens=2)[0].generated_length >= 1
+
+
+def test_model_errors(tmp_path):
+    """Unknown names say what was tried; an unsupported model_type lists the supported ones."""
+    with pytest.raises(ModelNotFoundError, match="tried"):
+        mii_async.pipeline(str(tmp_path / "nope"))
+    with pytest.raises(ModelNotFoundError, match="local hub cache"):
+        mii_async.pipeline("someorg/not-a-cached-model")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(UnsupportedModelError, match="llama"):
+        mii_async.pipeline(str(tmp_path))
+
+
+def test_closed_pipeline_rejects(default_model_dir):
+    """After close(), calls raise EngineClosedError; close is idempotent."""
+    pipe = mii_async.pipeline(str(default_model_dir), kv_cache_memory=0.05)
+    pipe.close()
+    pipe.close()
+    with pytest.raises(mii_async.EngineClosedError):
+        pipe("hi")

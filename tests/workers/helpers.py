@@ -1,0 +1,37 @@
+"""Helpers for engine tests: drive an Engine on token ids, and transformers' greedy reference."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from mii_async.config import EngineConfig
+from mii_async.params import SamplingParams
+
+
+def make_engine(path: Path, **options):
+    from mii_async.workers.engine import Engine
+
+    return Engine(EngineConfig.from_kwargs(str(path), **options))
+
+
+def run_engine(engine, prompts: list[list[int]], **params) -> list[list[int]]:
+    """Submits every prompt at once and steps until all finish; returns each one's output ids."""
+    sp = SamplingParams(**params)
+    base = 10_000 + engine.num_steps * 1000
+    outs: dict[int, list[int]] = {base + i: [] for i in range(len(prompts))}
+    for i, p in enumerate(prompts):
+        engine.add_request(base + i, p, sp)
+    while engine.has_work():
+        for o in engine.step():
+            outs[o.req_id].append(o.token_id)
+        engine.block_manager.check_invariants(engine.seqs.values())
+    assert engine.block_manager.num_free == engine.num_blocks, "KV blocks leaked"
+    return [outs[base + i] for i in range(len(prompts))]
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    import torch
+
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()

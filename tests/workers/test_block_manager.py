@@ -1,0 +1,75 @@
+"""Block manager and scheduler invariants, as property tests (no model: sampled ids are made up)."""
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mii_async.config import SchedulerConfig
+from mii_async.params import SamplingParams
+from mii_async.workers.block_manager import BlockManager
+from mii_async.workers.scheduler import Scheduler
+from mii_async.workers.sequence import Sequence
+
+# Prompts from a tiny alphabet with shared prefixes, so the prefix cache is hit often.
+prompt = st.lists(st.integers(0, 2), min_size=1, max_size=40)
+request = st.tuples(prompt, st.integers(1, 12), st.booleans())   # (prompt, max_new_tokens, abort it midway)
+
+
+@settings(max_examples=150, deadline=None)
+@given(requests=st.lists(request, min_size=1, max_size=12), num_blocks=st.integers(7, 40),
+       block_size=st.sampled_from([1, 2, 4, 8]), budget=st.integers(1, 64), max_seqs=st.integers(1, 8),
+       caching=st.booleans())
+def test_scheduler_never_loses_blocks(requests, num_blocks, block_size, budget, max_seqs, caching):
+    """Random workloads through the scheduler: no block owned twice, refs exact, all finish, all free at idle."""
+    bm = BlockManager(num_blocks, block_size, caching)
+    sched = Scheduler(SchedulerConfig(max_batch_tokens=budget, max_num_seqs=max_seqs), bm)
+    live: dict[int, Sequence] = {}
+    for i, (p, n, _) in enumerate(requests):
+        if len(p) + n <= num_blocks * block_size:     # the engine rejects the rest up front
+            live[i] = Sequence(i, p, SamplingParams(max_new_tokens=n))
+            sched.add(live[i])
+    finished = set()
+    for step in range(5000):
+        if not sched.has_work():
+            break
+        plan = sched.schedule()
+        assert plan, "work left but nothing scheduled: a deadlock"
+        assert plan.num_tokens <= budget
+        assert len(sched.running) <= max_seqs
+        bm.check_invariants(sched.all_seqs())
+        for s in plan.seqs:
+            seq = live[s.req_id]
+            assert s.token_ids == seq.token_ids(s.start_pos, s.start_pos + len(s.token_ids))
+            sched.commit(seq, len(s.token_ids))
+            if s.sample:
+                seq.output_ids.append((seq.num_tokens * 7) % 3)        # deterministic fake token
+                aborted = requests[s.req_id][2] and len(seq.output_ids) == 1
+                if aborted or len(seq.output_ids) >= seq.params.max_new_tokens:
+                    sched.remove(seq)
+                    finished.add(s.req_id)
+        bm.check_invariants(sched.all_seqs())
+    assert finished == set(live), "a request was dropped or never finished"
+    assert bm.num_free == num_blocks
+
+
+@settings(max_examples=100, deadline=None)
+@given(prompts=st.lists(prompt, min_size=1, max_size=6), block_size=st.sampled_from([1, 2, 4]))
+def test_prefix_hits_hold_the_same_tokens(prompts, block_size):
+    """Blocks taken from the prefix cache hold exactly the tokens of the new request's prefix."""
+    bm = BlockManager(64, block_size)
+    owner_tokens: dict[int, tuple[int, ...]] = {}
+    for i, p in enumerate(prompts):
+        seq = Sequence(i, p, SamplingParams(max_new_tokens=1))
+        bm.match_prefix(seq)
+        hits = len(seq.block_table)
+        for j, b in enumerate(seq.block_table):
+            assert owner_tokens[b] == tuple(p[j * block_size:(j + 1) * block_size])
+        n = seq.num_tokens - seq.num_computed_tokens
+        bm.append(seq, n)
+        seq.num_computed_tokens += n
+        bm.register_full_blocks(seq)
+        for j in range(hits, len(p) // block_size):   # freshly written blocks (maybe evicted and reused)
+            owner_tokens[seq.block_table[j]] = tuple(p[j * block_size:(j + 1) * block_size])
+        bm.free(seq)
+        bm.check_invariants([])
+    assert bm.num_free == 64

@@ -1,0 +1,72 @@
+"""The sampler against transformers' logits processors, and its seeded draws against the distribution."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mii_async.params import SamplingParams
+from mii_async.workers.sampler import Sampler
+from mii_async.workers.sequence import Sequence
+
+
+def _seq(i, **params):
+    return Sequence(i, [5, 6, 7, 5], SamplingParams(**params), output_ids=[7, 9, 9])
+
+
+@pytest.mark.parametrize("params", [dict(top_k=5), dict(top_p=0.7), dict(min_p=0.2), dict(top_k=8, top_p=0.5),
+                                    dict(temperature=0.5, top_p=0.9)])
+def test_filters_match_transformers(params):
+    """The tokens top-k / top-p / min-p keep are the ones transformers' warpers keep."""
+    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+
+    logits = torch.randn(3, 50) * 3
+    p = {"temperature": 1.0, **params}
+    probs = Sampler._filtered_probs(logits.clone(), [_seq(i, **p) for i in range(3)])
+    ref = TemperatureLogitsWarper(p["temperature"])(None, logits.clone())
+    if "top_k" in p:
+        ref = TopKLogitsWarper(p["top_k"])(None, ref)
+    if "top_p" in p:
+        ref = TopPLogitsWarper(p["top_p"])(None, ref)
+    if "min_p" in p:
+        ref = MinPLogitsWarper(p["min_p"])(None, ref)
+    assert torch.equal(probs > 0, torch.isfinite(ref))
+    assert torch.allclose(probs, torch.softmax(ref, -1), atol=1e-6)
+
+
+def test_penalties_match_definitions():
+    """Repetition penalty equals transformers' processor; presence/frequency follow OpenAI's formula."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    logits = torch.randn(1, 20)
+    s = Sampler(20, frozenset({2}), torch.device("cpu"))
+    out = logits.clone()
+    s._penalize(out, [_seq(0, repetition_penalty=1.3)])
+    ref = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([[5, 6, 7, 5, 7, 9, 9]]), logits.clone())
+    assert torch.allclose(out, ref)
+    out = logits.clone()
+    s._penalize(out, [_seq(0, presence_penalty=0.5, frequency_penalty=0.25)])
+    expected = logits.clone()
+    expected[0, 7] -= 0.25 + 0.5
+    expected[0, 9] -= 0.5 + 0.5
+    assert torch.allclose(out, expected)
+
+
+def test_min_new_tokens_masks_end_ids():
+    """Before min_new_tokens, EOS and stop_token_ids cannot be chosen even when they are the argmax."""
+    s = Sampler(10, frozenset({2}), torch.device("cpu"))
+    logits = torch.zeros(1, 10)
+    logits[0, 2], logits[0, 4], logits[0, 1] = 10.0, 9.0, 8.0
+    assert s(logits, [_seq(0, min_new_tokens=5, stop_token_ids=(4,))]).token_ids == [1]
+    assert s(logits, [_seq(0)]).token_ids == [2]
+
+
+def test_seeded_draws_follow_the_distribution():
+    """Seeded sampling reproduces per seed and its frequencies match the probabilities."""
+    s = Sampler(4, frozenset(), torch.device("cpu"))
+    logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]]))
+    draws = [s(logits, [_seq(i, temperature=1.0, seed=i)]).token_ids[0] for i in range(4000)]
+    freq = torch.bincount(torch.tensor(draws), minlength=4).float() / len(draws)
+    assert torch.allclose(freq, torch.tensor([0.1, 0.2, 0.3, 0.4]), atol=0.03)
+    s2 = Sampler(4, frozenset(), torch.device("cpu"))
+    assert [s2(logits, [_seq(i, temperature=1.0, seed=i)]).token_ids[0] for i in range(50)] == draws[:50]
