@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import pytest
@@ -11,10 +10,7 @@ from hypothesis import strategies as st
 
 from mii_async.router.detokenizer import Delta, IncrementalDetokenizer
 
-TOKENIZER_PATH = os.environ.get("MII_TEST_TOKENIZER", "/tmp/smol")
-if not os.path.isdir(TOKENIZER_PATH):
-    pytest.skip(f"no test tokenizer at {TOKENIZER_PATH} (set MII_TEST_TOKENIZER)", allow_module_level=True)
-transformers = pytest.importorskip("transformers")
+import transformers
 
 # Few examples each: the whole module must run in seconds on two cores.
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -26,8 +22,9 @@ TEXTS = st.lists(st.sampled_from(PIECES), max_size=30).map("".join)
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return transformers.AutoTokenizer.from_pretrained(TOKENIZER_PATH)
+def tok(default_model_dir):
+    """The default model's tokenizer (byte-level BPE)."""
+    return transformers.AutoTokenizer.from_pretrained(str(default_model_dir))
 
 
 @pytest.fixture(scope="module")
