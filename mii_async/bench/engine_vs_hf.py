@@ -45,7 +45,7 @@ async def _stream_all(pipe: Any, prompts: list[list[int]], new_tokens: int) -> t
         ids: list[int] = []
         times: list[float] = []
         usage = None
-        async for chunk in pipe.stream(p, max_new_tokens=new_tokens, ignore_eos=True):
+        async for chunk in pipe.stream(p, max_new_tokens=new_tokens, min_new_tokens=new_tokens, ignore_eos=True):
             if chunk.token_ids:
                 times.append(time.perf_counter())
                 ids.extend(chunk.token_ids)

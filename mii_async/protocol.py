@@ -1,0 +1,209 @@
+"""Every wire message between client, router and workers, and their one msgpack encoding.
+
+A frame is a msgpack map {"v": PROTOCOL_VERSION, "t": <message name>, <fields>}. Token-id lists travel as
+packed little-endian uint32 arrays (msgpack bin), not as lists of ints. Never pickle. `decode` checks the
+version, the type, that every field is present and of its declared type, and msgpack's own length limits;
+anything else raises ProtocolError, which the receiver counts and answers without stopping.
+"""
+from __future__ import annotations
+
+import array
+import dataclasses
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 16 * 2**20          # also the sockets' ZMQ_MAXMSGSIZE
+MAX_ITEMS = 1 << 20                    # longest msgpack array or map, and bin length in ids
+
+_IDS = {"ids": True}                   # field metadata: a packed token-id array on the wire
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message of this protocol version."""
+
+
+# -- client ⇄ router ---------------------------------------------------------------------------------
+@dataclass
+class Generate:
+    """Client → router: start a request."""
+    req_id: str                                    # chosen by the client, unique among its live requests
+    prompt: str | None = None                      # text, or None when prompt_ids / messages are given
+    prompt_ids: list[int] | None = field(default=None, metadata=_IDS)
+    messages: list[dict] | None = None             # chat messages, through the model's chat template
+    params: dict = field(default_factory=dict)     # SamplingParams fields; validated by the router
+
+
+@dataclass
+class Abort:
+    """Client → router: end a request now (its KV blocks are freed within a step)."""
+    req_id: str
+
+
+@dataclass
+class Delta:
+    """Router → client: new text of one request; the last one has finish_reason and usage."""
+    req_id: str
+    text: str                                      # UTF-8 safe, never a partial stop string
+    token_ids: list[int] = field(default_factory=list, metadata=_IDS)
+    logprobs: list | None = None                   # per token: [token_id, logprob, [[id, logprob], …]]
+    finish_reason: str | None = None               # "stop" | "length" | "abort" | "error"
+    usage: dict | None = None                      # prompt_tokens, completion_tokens, cached_tokens
+    error: str | None = None                       # with finish_reason "error"
+
+
+@dataclass
+class ErrorReply:
+    """Router → client: a request refused before it started (bad parameter, overload, bad frame)."""
+    req_id: str | None
+    code: str                                      # "invalid_parameter" | "overloaded" | "bad_frame" | …
+    message: str
+    param: str | None = None                       # the bad parameter, when there is one
+
+
+# -- router ⇄ worker ---------------------------------------------------------------------------------
+@dataclass
+class AddRequest:
+    """Router → replica leader."""
+    req_id: int                                    # router-wide request number
+    prompt_ids: list[int] = field(metadata=_IDS)
+    params: dict = field(default_factory=dict)     # already validated SamplingParams fields
+
+
+@dataclass
+class AbortRequest:
+    """Router → replica leader."""
+    req_id: int
+
+
+@dataclass
+class StepTokens:
+    """Replica leader → router: every token one engine step sampled."""
+    req_ids: list[int]
+    token_ids: list[int] = field(metadata=_IDS)    # parallel to req_ids
+    finish_reasons: list[str | None] = field(default_factory=list)   # parallel; None while running
+    cached_tokens: list[int] = field(default_factory=list)           # parallel; prefix-cache hits
+    logprobs: list | None = None                   # parallel, entries None or [logprob, [[id, lp], …]]
+
+
+@dataclass
+class Ready:
+    """Worker → router: loaded and serving (the ready handshake)."""
+    replica: int
+    rank: int
+    info: dict = field(default_factory=dict)       # num_blocks, block_size, max_model_len, vocab_size, …
+
+
+@dataclass
+class Heartbeat:
+    """Worker → router, every HEARTBEAT_S, with the engine's counters."""
+    replica: int
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class RequestFailed:
+    """Replica leader → router: a request ended with an error inside the engine."""
+    req_id: int
+    message: str
+
+
+@dataclass
+class Shutdown:
+    """Router → worker, or client → router: stop (drain up to `drain_s`, then abort)."""
+    drain_s: float = 0.0
+
+
+Message = Union[Generate, Abort, Delta, ErrorReply, AddRequest, AbortRequest, StepTokens, Ready, Heartbeat,
+                RequestFailed, Shutdown]
+_TYPES: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(Message)}
+_HINTS = {name: typing.get_type_hints(cls) for name, cls in _TYPES.items()}
+
+
+def _pack_ids(ids: list[int]) -> bytes:
+    a = array.array("I", ids)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tobytes()
+
+
+def _unpack_ids(b: Any, name: str) -> list[int]:
+    if not isinstance(b, bytes) or len(b) % 4:
+        raise ProtocolError(f"field {name!r} must be a packed uint32 array")
+    a = array.array("I")
+    a.frombytes(b)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tolist()
+
+
+def encode(msg: Message) -> bytes:
+    frame: dict[str, Any] = {"v": PROTOCOL_VERSION, "t": type(msg).__name__}
+    for f in dataclasses.fields(msg):
+        value = getattr(msg, f.name)
+        frame[f.name] = _pack_ids(value) if f.metadata.get("ids") and value is not None else value
+    return msgpack.packb(frame, use_bin_type=True)
+
+
+def decode(data: bytes) -> Message:
+    """Parses one frame; raises ProtocolError for anything that is not a valid message."""
+    if len(data) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(data)} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        frame = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=MAX_FRAME_BYTES,
+                                max_str_len=MAX_FRAME_BYTES, max_array_len=MAX_ITEMS, max_map_len=MAX_ITEMS,
+                                max_ext_len=0)
+    except Exception as exc:  # noqa: BLE001 - msgpack raises several types for bad input
+        raise ProtocolError(f"not a msgpack frame: {exc}") from None
+    if not isinstance(frame, dict):
+        raise ProtocolError("a frame must be a msgpack map")
+    if frame.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {frame.get('v')!r} is not {PROTOCOL_VERSION}")
+    name = frame.get("t")
+    cls = _TYPES.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {name!r}")
+    kwargs: dict[str, Any] = {}
+    extra = set(frame) - {"v", "t"} - {f.name for f in dataclasses.fields(cls)}
+    if extra:
+        raise ProtocolError(f"{name}: unknown fields {sorted(extra)}")
+    for f in dataclasses.fields(cls):
+        if f.name not in frame:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ProtocolError(f"{name}: missing field {f.name!r}")
+            continue
+        value = frame[f.name]
+        if f.metadata.get("ids") and value is not None:
+            value = _unpack_ids(value, f.name)
+        elif not _conforms(value, _HINTS[name][f.name]):
+            raise ProtocolError(f"{name}.{f.name}: {type(value).__name__} does not match {_HINTS[name][f.name]}")
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def _conforms(value: Any, hint: Any) -> bool:
+    """Shallow type check: the outer type of each field (list elements of lists of scalars are checked too)."""
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        return any(_conforms(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is list:
+        if not isinstance(value, list):
+            return False
+        args = typing.get_args(hint)
+        return not args or all(_conforms(v, args[0]) for v in value)
+    if origin is dict or hint is dict:
+        return isinstance(value, dict)
+    if hint is list:
+        return isinstance(value, list)
+    return isinstance(value, hint)

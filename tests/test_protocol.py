@@ -1,0 +1,75 @@
+"""Wire messages: every type round-trips through msgpack; malformed frames raise ProtocolError."""
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mii_async import protocol as p
+
+SAMPLES = [
+    p.Generate("r1", prompt="héllo 你好", params={"max_new_tokens": 3, "stop": ["\n"]}),
+    p.Generate("r2", prompt_ids=[0, 1, 2**32 - 1]),
+    p.Generate("r3", messages=[{"role": "user", "content": "hi"}]),
+    p.Abort("r1"),
+    p.Delta("r1", "text", [5, 6], [[5, -0.1, [[5, -0.1]]]], "stop", {"prompt_tokens": 3}, None),
+    p.ErrorReply("r1", "invalid_parameter", "temperature: must be ≥ 0", "temperature"),
+    p.ErrorReply(None, "bad_frame", "not msgpack"),
+    p.AddRequest(7, [1, 2, 3], {"temperature": 0.5}),
+    p.AbortRequest(7),
+    p.StepTokens([7, 8], [11, 12], [None, "length"], [0, 16], [None, [-0.5, [[12, -0.5]]]]),
+    p.Ready(0, 1, {"num_blocks": 10}),
+    p.Heartbeat(0, {"used_blocks": 3}),
+    p.RequestFailed(7, "boom"),
+    p.Shutdown(2.5),
+]
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg):
+    """decode(encode(m)) == m for every message type."""
+    assert p.decode(p.encode(msg)) == msg
+
+
+def test_token_ids_are_packed():
+    """Token ids travel as a packed uint32 array: 4 bytes each, not a msgpack list."""
+    frame = msgpack.unpackb(p.encode(p.AddRequest(1, list(range(1000)))))
+    assert isinstance(frame["prompt_ids"], bytes) and len(frame["prompt_ids"]) == 4000
+
+
+BAD = [
+    b"", b"\xc1", b"\x00", msgpack.packb([1, 2]),
+    msgpack.packb({"v": 99, "t": "Abort", "req_id": "x"}),
+    msgpack.packb({"v": 1, "t": "Pickle", "req_id": "x"}),
+    msgpack.packb({"v": 1, "t": "Abort"}),
+    msgpack.packb({"v": 1, "t": "Abort", "req_id": 5}),
+    msgpack.packb({"v": 1, "t": "Abort", "req_id": "x", "extra": 1}),
+    msgpack.packb({"v": 1, "t": "AddRequest", "req_id": 1, "prompt_ids": b"abc"}),
+    msgpack.packb({"v": 1, "t": "AddRequest", "req_id": True, "prompt_ids": b""}),
+    msgpack.packb({"v": 1, "t": "StepTokens", "req_ids": ["a"], "token_ids": b""}),
+    msgpack.ExtType(1, b"x").data,
+]
+
+
+@pytest.mark.parametrize("frame", BAD)
+def test_malformed_frames_raise_protocol_error(frame):
+    """Bad version, unknown type, missing/extra/mistyped fields, bad packing, non-msgpack: ProtocolError."""
+    with pytest.raises(p.ProtocolError):
+        p.decode(frame)
+
+
+def test_oversize_frame_is_refused():
+    """A frame over MAX_FRAME_BYTES is refused before it is parsed."""
+    with pytest.raises(p.ProtocolError, match="exceeds"):
+        p.decode(b"\x00" * (p.MAX_FRAME_BYTES + 1))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_random_bytes_never_escape_as_other_errors(data):
+    """Any byte string either decodes to a message or raises ProtocolError, nothing else."""
+    try:
+        p.decode(data)
+    except p.ProtocolError:
+        pass

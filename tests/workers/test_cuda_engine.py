@@ -1,0 +1,52 @@
+"""The same engine code path on CUDA (reference ops on the GPU): parity with transformers there."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import mii_async
+
+from .helpers import make_engine, run_engine
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3", "mistral", "qwen2"])
+def test_tiny_models_fp32_on_cuda_match_transformers(tiny_model, kind):
+    """fp32 on the GPU: greedy outputs equal transformers' on the GPU, same weights."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model(kind)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).cuda().eval()
+    rng = random.Random(kind)
+    prompts = [[rng.randrange(3, 320) for _ in range(rng.randrange(5, 90))] for _ in range(4)]
+    engine = make_engine(path, device="cuda", dtype="float32", num_blocks=64)
+    ours = run_engine(engine, prompts, max_new_tokens=32, min_new_tokens=32)
+    for p, o in zip(prompts, ours):
+        ids = torch.tensor([p], device="cuda")
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, min_new_tokens=32,
+                          do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+        assert o == ref
+
+
+@pytest.mark.parametrize("dtype,tol", [("bfloat16", 2e-2), ("float16", 5e-3)])
+def test_half_precision_logits_on_cuda(tiny_model, dtype, tol):
+    """bf16 / fp16 on the GPU: last-position logits of a chunked prefill within tol of transformers' fp32."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model("llama3")
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).cuda().eval()
+    engine = make_engine(path, device="cuda", dtype=dtype, num_blocks=64, max_batch_tokens=32)
+    prompt = [random.Random(1).randrange(3, 320) for _ in range(100)]
+    engine.add_request(1, prompt, mii_async.SamplingParams(max_new_tokens=1))
+    while True:                                    # prefill in 32-token chunks; the last one is sampled
+        plan = engine.scheduler.schedule()
+        logits = engine.runner.execute(plan)
+        if plan.seqs[0].sample:
+            break
+        engine.scheduler.commit(engine.seqs[1], len(plan.seqs[0].token_ids))
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt], device="cuda")).logits[0, -1]
+    assert torch.linalg.norm(logits[0] - ref) / torch.linalg.norm(ref) < tol
