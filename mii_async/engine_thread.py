@@ -34,10 +34,10 @@ class EngineThread:
 
     # -- any thread ----------------------------------------------------------------------------------
     def submit(self, req_id: int, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> None:
-        """Validates (raising InvalidParameterError at once) and queues the request."""
+        """Queues a request the caller has checked (`engine.check_request`); a request the engine still refuses
+        is answered through its sink with Ended("error")."""
         if self._closed:
             raise EngineClosedError("the pipeline is closed")
-        self.engine.check_request(prompt_ids, params)
         self._cmds.put(("add", req_id, prompt_ids, params, sink))
 
     def abort(self, req_id: int) -> None:
