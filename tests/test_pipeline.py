@@ -13,6 +13,15 @@ from mii_async.errors import InvalidParameterError, ModelNotFoundError, RequestT
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
+async def _kv_back_to_idle(pipe, timeout_s: float = 4.0) -> bool:
+    """Polls until no KV block is in use (an abort frees blocks within a step)."""
+    for _ in range(int(timeout_s / 0.02)):
+        if pipe.stats()["used_blocks"] == 0:
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
 def test_chat_answers_paris(default_pipe):
     """The default model answers the capital question greedily, ending on EOS."""
     r = default_pipe.chat(CHAT, max_new_tokens=32)
@@ -119,11 +128,7 @@ def test_leaving_a_stream_frees_kv(default_pipe):
         async for c in default_pipe.stream("Tell me everything about Paris", max_new_tokens=200, ignore_eos=True):
             if len(c.token_ids) and c.text:
                 break
-        for _ in range(100):
-            if default_pipe.stats()["used_blocks"] == 0:
-                return True
-            await asyncio.sleep(0.02)
-        return False
+        return await _kv_back_to_idle(default_pipe)
 
     assert asyncio.run(main())
     assert default_pipe.stats()["running"] == 0
@@ -137,11 +142,7 @@ def test_cancelling_agenerate_frees_kv(default_pipe):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(200):
-            if default_pipe.stats()["used_blocks"] == 0:
-                return True
-            await asyncio.sleep(0.02)
-        return False
+        return await _kv_back_to_idle(default_pipe)
 
     assert asyncio.run(main())
 
