@@ -1,16 +1,18 @@
-"""mii_async: asyncio streaming LLM inference.
+"""mii_async: asyncio streaming LLM inference and serving over a ZeroMQ worker mesh.
 
-`import mii_async` pulls in neither torch nor cupy: the engine is imported when a pipeline starts.
+`import mii_async` pulls in neither torch nor cupy: the engine is imported when a pipeline or a worker starts.
 """
 from __future__ import annotations
 
-from .api import pipeline
+from .api import client, pipeline, serve
+from .client import AsyncClient
 from .errors import (EngineClosedError, GenerationError, InvalidParameterError, MIIAsyncError, ModelNotFoundError,
-                     RequestTooLongError, UnsupportedModelError)
-from .outputs import Response, StreamChunk
+                     OverloadedError, RequestTooLongError, UnavailableError, UnsupportedModelError)
+from .outputs import Response, StreamChunk, Usage
 from .params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["pipeline", "Response", "StreamChunk", "SamplingParams", "MIIAsyncError", "InvalidParameterError",
-           "RequestTooLongError", "ModelNotFoundError", "UnsupportedModelError", "EngineClosedError",
-           "GenerationError", "__version__"]
+__all__ = ["pipeline", "serve", "client", "AsyncClient", "Response", "StreamChunk", "Usage", "SamplingParams",
+           "MIIAsyncError", "InvalidParameterError", "RequestTooLongError", "ModelNotFoundError",
+           "UnsupportedModelError", "EngineClosedError", "GenerationError", "OverloadedError", "UnavailableError",
+           "__version__"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .client import AsyncClient
     from .local_pipeline import Pipeline
 
 
@@ -18,3 +19,36 @@ def pipeline(model: str | None = None, **kwargs: Any) -> Pipeline:
     from .local_pipeline import Pipeline
 
     return Pipeline(EngineConfig.from_kwargs(model, **kwargs))
+
+
+def serve(model: str | None = None, *, replicas: int = 1, tensor_parallel: int = 1, host: str = "127.0.0.1",
+          port: int = 0, **kwargs: Any) -> AsyncClient:
+    """Starts a deployment — a router process and `replicas` × `tensor_parallel` worker processes — and
+    returns an AsyncClient connected to it. Blocks until every replica is ready (or raises why it could not
+    start: ModelNotFoundError, InvalidParameterError, …).
+
+    `port=0` takes a free port (`client.address` says which). Other keywords are deployment options
+    (worker_host, worker_port, max_queued_requests, max_queued_tokens, heartbeat_s, heartbeat_timeout_s,
+    client_timeout_s, drain_timeout_s, startup_timeout_s, restart_replicas, curve_dir) or engine options as
+    for `pipeline()`. The processes stop on `await client.terminate_server()`, or when this process exits.
+    """
+    from .client import AsyncClient
+    from .config import split_serve_kwargs
+    from .deployment import RouterProcess
+    from .errors import InvalidParameterError
+
+    serve_cfg, engine_cfg = split_serve_kwargs(model, dict(replicas=replicas, tensor_parallel=tensor_parallel,
+                                                           host=host, port=port, **kwargs))
+    if serve_cfg.tensor_parallel != 1:
+        raise InvalidParameterError("tensor_parallel", "tensor parallelism is not in this release yet; "
+                                    "use replicas to serve on several workers")
+    proc = RouterProcess(serve_cfg, engine_cfg)
+    return AsyncClient(proc.address, curve_dir=serve_cfg.curve_dir, _process=proc)
+
+
+def client(address: str, *, curve_dir: str | None = None, timeout_s: float = 30.0) -> AsyncClient:
+    """Connects to a running deployment's router, e.g. `client("tcp://127.0.0.1:5555")`. Connecting is lazy:
+    an unreachable router shows as UnavailableError on the first request, after `timeout_s`."""
+    from .client import AsyncClient
+
+    return AsyncClient(address, curve_dir=curve_dir, timeout_s=timeout_s)

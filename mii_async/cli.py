@@ -1,4 +1,4 @@
-"""`mii-async` command line: generate (streamed to stdout) and an interactive terminal chat."""
+"""`mii-async` command line: serve a deployment, join one as a worker, generate, chat, make CURVE keys."""
 from __future__ import annotations
 
 import argparse
@@ -68,6 +68,68 @@ def _chat(a: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(a: argparse.Namespace) -> int:
+    import json
+    import logging
+
+    from .config import split_serve_kwargs
+    from .errors import InvalidParameterError
+    from .router.main import run_router, run_uvloop
+
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
+    serve, engine = split_serve_kwargs(a.model, dict(
+        replicas=a.replicas, tensor_parallel=a.tensor_parallel, host=a.host, port=a.port, worker_host=a.worker_host,
+        worker_port=a.worker_port, max_queued_requests=a.max_queued_requests, drain_timeout_s=a.drain_timeout,
+        curve_dir=a.curve_dir, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
+        **({"kv_cache_memory": a.kv_cache_memory} if a.kv_cache_memory is not None else {})))
+    if serve.tensor_parallel != 1:
+        raise InvalidParameterError("tensor_parallel", "tensor parallelism is not in this release yet; use --replicas")
+
+    def on_ready(status: dict) -> None:
+        if "error" not in status:
+            print(f"mii-async: serving {status['model']} on {status['address']} "
+                  f"(workers join at {status['worker_address']})", flush=True)
+            if a.status_json:
+                print(json.dumps(status), flush=True)
+
+    return run_uvloop(run_router(serve, engine, on_ready))
+
+
+def _worker(a: argparse.Namespace) -> int:
+    from .workers.main import run
+
+    return run(a)
+
+
+def _keys(a: argparse.Namespace) -> int:
+    from .transport import make_curve_keys
+
+    make_curve_keys(a.dir)
+    print(f"mii-async: CURVE keys written to {a.dir} (server.key*, client.key*, authorized/client.key)")
+    return 0
+
+
+def _serve_parser(sub: Any) -> None:
+    s = sub.add_parser("serve", help="run a deployment: the router and its worker processes")
+    s.add_argument("model", nargs="?", default=None, help="as for generate (default: SmolLM2-135M-Instruct)")
+    s.add_argument("--replicas", type=int, default=1, help="replicas to start here (0: wait for workers that join)")
+    s.add_argument("--tensor-parallel", type=int, default=1)
+    s.add_argument("--host", default="127.0.0.1", help="the clients' address (default: loopback only)")
+    s.add_argument("--port", type=int, default=5555, help="the clients' port (0: any free one)")
+    s.add_argument("--worker-host", default="127.0.0.1", help="the workers' address (a routable one lets hosts join)")
+    s.add_argument("--worker-port", type=int, default=0)
+    s.add_argument("--max-queued-requests", type=int, default=1024)
+    s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds live requests get on SIGTERM")
+    s.add_argument("--curve-dir", default=None, help="CURVE keys from `mii-async keys DIR` (needed off loopback)")
+    s.add_argument("--dtype", default="auto")
+    s.add_argument("--device", default="auto")
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for each replica's KV pool (CPU)")
+    s.add_argument("--status-json", action="store_true", help="also print the ready status as one JSON line")
+    s.add_argument("--log-level", default="INFO")
+    s.set_defaults(func=_serve)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mii-async", description="Asyncio streaming LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -79,6 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("chat", help="multi-turn chat in the terminal")
     _engine_args(c)
     c.set_defaults(func=_chat)
+    _serve_parser(sub)
+    from .workers.main import build_parser
+
+    w = build_parser(sub.add_parser("worker", help="join a router's mesh as a worker (on this or another host)"))
+    w.set_defaults(func=_worker)
+    k = sub.add_parser("keys", help="make CURVE key pairs for a deployment that leaves loopback")
+    k.add_argument("dir")
+    k.set_defaults(func=_keys)
     args = parser.parse_args(argv)
     from .errors import MIIAsyncError
 

@@ -1,4 +1,4 @@
-"""Frozen configuration: model, KV cache, scheduler. Validated at construction, passed whole.
+"""Frozen configuration: model, KV cache, scheduler, deployment. Validated at construction, passed whole.
 
 Keyword arguments from the public entry points (`pipeline(**kwargs)`) are routed to these by field name;
 an unknown key is an error that names it.
@@ -85,6 +85,68 @@ class EngineConfig:
                 raise InvalidParameterError(key, f"unknown option; known ones: {', '.join(known)}")
         return cls(ModelConfig(**parts[ModelConfig]), CacheConfig(**parts[CacheConfig]),
                    SchedulerConfig(**parts[SchedulerConfig]))
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Plain data for the wire (the router's Assign message)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineConfig:
+        return cls(ModelConfig(**d.get("model", {})), CacheConfig(**d.get("cache", {})),
+                   SchedulerConfig(**d.get("scheduler", {})))
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """A deployment: how many replicas, where the router listens, its limits and its health timings."""
+    replicas: int = 1                  # replicas the router starts itself (0: only workers that join)
+    tensor_parallel: int = 1           # worker processes per replica
+    host: str = "127.0.0.1"            # the clients' socket (loopback unless told otherwise)
+    port: int = 0                      # 0: any free port
+    worker_host: str = "127.0.0.1"     # the workers' socket; a routable address lets other hosts join
+    worker_port: int = 0
+    max_queued_requests: int = 1024    # admitted, unfinished requests; past this: "overloaded"
+    max_queued_tokens: int = 1 << 21   # their prompt + max_new_tokens, summed; past this: "overloaded"
+    heartbeat_s: float = 1.0           # worker → router heartbeat period
+    heartbeat_timeout_s: float = 15.0  # a replica silent this long is dead (process sentinels act at once)
+    client_timeout_s: float = 30.0     # a client silent this long (no ping) with live requests: aborted
+    drain_timeout_s: float = 30.0      # SIGTERM/SIGINT: let requests finish this long, then abort them
+    startup_timeout_s: float = 900.0   # a replica not ready by then is stopped (first load converts the model)
+    restart_replicas: bool = True      # replace a replica whose worker died
+    curve_dir: str | None = None       # CURVE keys (`mii-async keys DIR`); None: no encryption, loopback use
+
+    def __post_init__(self) -> None:
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 0:
+            raise InvalidParameterError("replicas", f"must be a non-negative integer, got {self.replicas!r}")
+        _pos_int(self, "tensor_parallel")
+        for name in ("port", "worker_port"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 65536:
+                raise InvalidParameterError(name, f"must be a TCP port (0 for any), got {v!r}")
+        for name in ("host", "worker_host"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise InvalidParameterError(name, f"must be a host name or address, got {getattr(self, name)!r}")
+        _pos_int(self, "max_queued_requests")
+        _pos_int(self, "max_queued_tokens")
+        for name in ("heartbeat_s", "heartbeat_timeout_s", "client_timeout_s", "drain_timeout_s",
+                     "startup_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (v == 0 and name != "drain_timeout_s"):
+                raise InvalidParameterError(name, f"must be a positive number of seconds, got {v!r}")
+        if self.heartbeat_timeout_s <= 2 * self.heartbeat_s:
+            raise InvalidParameterError("heartbeat_timeout_s", "must exceed twice heartbeat_s")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def split_serve_kwargs(model: str | None, kwargs: dict[str, Any]) -> tuple[ServeConfig, EngineConfig]:
+    """Routes `serve(**kwargs)`: deployment fields to ServeConfig, the rest to EngineConfig (which rejects
+    unknown keys, naming them)."""
+    names = _field_names(ServeConfig)
+    serve = ServeConfig(**{k: v for k, v in kwargs.items() if k in names})
+    engine = EngineConfig.from_kwargs(model, **{k: v for k, v in kwargs.items() if k not in names})
+    return serve, engine
 
 
 def _field_names(cls: type) -> set[str]:

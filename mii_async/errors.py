@@ -6,7 +6,9 @@
      ├── ModelNotFoundError        a model name that resolves to nothing; says what was tried
      ├── UnsupportedModelError     a model_type the engine does not implement; lists the supported ones
      ├── EngineClosedError         the pipeline/engine was closed
-     └── GenerationError           a request failed inside the engine (finish_reason "error")
+     ├── GenerationError           a request failed inside the engine (finish_reason "error")
+     ├── OverloadedError           the deployment's request queue is full; retry later (HTTP 503)
+     └── UnavailableError          no replica is ready, the router is shutting down or unreachable (HTTP 503)
 
 Our own invariants are `assert`s with a message, never these classes.
 """
@@ -43,3 +45,46 @@ class EngineClosedError(MIIAsyncError, RuntimeError):
 
 class GenerationError(MIIAsyncError, RuntimeError):
     """A request failed inside the engine."""
+
+
+class OverloadedError(MIIAsyncError, RuntimeError):
+    """Admission control refused the request: too many queued requests or tokens."""
+
+
+class UnavailableError(MIIAsyncError, ConnectionError):
+    """The deployment cannot take the request now: starting, draining, no live replica, or unreachable."""
+
+
+# The codes that travel in protocol.ErrorReply, and the class each one raises at the caller.
+ERROR_CODES: dict[str, type[MIIAsyncError]] = {
+    "invalid_parameter": InvalidParameterError,
+    "request_too_long": RequestTooLongError,
+    "model_not_found": ModelNotFoundError,
+    "unsupported_model": UnsupportedModelError,
+    "overloaded": OverloadedError,
+    "unavailable": UnavailableError,
+    "generation_failed": GenerationError,
+    "bad_frame": MIIAsyncError,
+}
+
+
+def error_code(exc: BaseException) -> str:
+    """The wire code of an exception (the most specific class listed in ERROR_CODES)."""
+    for code, cls in ERROR_CODES.items():
+        if type(exc) is cls:
+            return code
+    for code, cls in ERROR_CODES.items():
+        if isinstance(exc, cls) and cls is not MIIAsyncError:
+            return code
+    return "generation_failed"
+
+
+def error_from_code(code: str, message: str, param: str | None = None) -> MIIAsyncError:
+    """Rebuilds the caller-side exception for an ErrorReply."""
+    cls = ERROR_CODES.get(code, MIIAsyncError)
+    if issubclass(cls, InvalidParameterError):
+        exc = cls.__new__(cls)
+        exc.param = param or "request"
+        Exception.__init__(exc, message)
+        return exc
+    return cls(message)

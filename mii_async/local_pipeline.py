@@ -17,6 +17,7 @@ from .engine_thread import EngineThread
 from .errors import InvalidParameterError
 from .outputs import Response, StreamChunk
 from .params import SamplingParams
+from .router.prompts import PromptEncoder, is_messages, is_token_ids
 from .router.request_state import RequestState
 
 Prompt = Any   # str | list[int] (token ids) | list[dict] (chat messages)
@@ -30,6 +31,7 @@ class Pipeline:
         self._engine = EngineThread(config)
         self.model_path = self._engine.engine.model_path
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+        self._encoder = PromptEncoder(self.tokenizer)
         self._ids = itertools.count()
 
     # -- public API ----------------------------------------------------------------------------------
@@ -126,7 +128,7 @@ class Pipeline:
 
     def _prepare_batch(self, prompts: Prompt | Sequence[Prompt], params: dict[str, Any]) -> list[RequestState]:
         sp = SamplingParams.from_kwargs(**params)
-        if isinstance(prompts, str) or _is_token_ids(prompts) or _is_messages(prompts):
+        if isinstance(prompts, str) or is_token_ids(prompts) or is_messages(prompts):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise InvalidParameterError("prompts", "must be a non-empty list of prompts")
@@ -134,31 +136,9 @@ class Pipeline:
 
     def _prepare(self, prompt: Prompt, params: SamplingParams) -> RequestState:
         """Tokenizes a text, a list of token ids or chat messages; validation errors name `prompt`."""
-        if isinstance(prompt, str):
-            ids = self.tokenizer(prompt)["input_ids"]
-            text: str | None = prompt
-        elif _is_token_ids(prompt):
-            ids, text = list(prompt), None
-        elif _is_messages(prompt):
-            text = self.apply_chat_template(prompt)
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        else:
-            raise InvalidParameterError("prompt", "must be a string, a list of token ids or a list of chat messages")
+        text, ids = self._encoder.encode(prompt)
         self._engine.engine.check_request(ids, params)
         return RequestState(self.tokenizer, text, ids, params)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        for i, m in enumerate(messages):
-            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise InvalidParameterError(f"messages[{i}]", "needs a string 'role' and a string 'content'")
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise InvalidParameterError("messages", "this model's tokenizer has no chat template")
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-
-
-def _is_token_ids(p: Any) -> bool:
-    return isinstance(p, (list, tuple)) and bool(p) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-
-
-def _is_messages(p: Any) -> bool:
-    return isinstance(p, (list, tuple)) and bool(p) and all(isinstance(m, dict) for m in p)
+        return self._encoder.apply_chat_template(messages)

@@ -55,6 +55,7 @@ class Delta:
     finish_reason: str | None = None               # "stop" | "length" | "abort" | "error"
     usage: dict | None = None                      # prompt_tokens, completion_tokens, cached_tokens
     error: str | None = None                       # with finish_reason "error"
+    prompt_ids: list[int] | None = field(default=None, metadata=_IDS)   # first delta only: the prompt's ids
 
 
 @dataclass
@@ -66,7 +67,65 @@ class ErrorReply:
     param: str | None = None                       # the bad parameter, when there is one
 
 
+@dataclass
+class Query:
+    """Client → router: a question about the deployment, answered by a QueryReply with the same req_id."""
+    req_id: str
+    what: str                                      # "ping" | "health" | "stats"
+
+
+@dataclass
+class QueryReply:
+    """Router → client."""
+    req_id: str
+    result: dict                                   # ping: {}; health: state and replicas; stats: per replica
+
+
 # -- router ⇄ worker ---------------------------------------------------------------------------------
+@dataclass
+class Hello:
+    """Worker → router, its first message; the router answers with Assign."""
+    worker: str                                    # unique name ("host:pid:nonce"); also its routing id
+    replica: int                                   # the replica it was started for; -1: joining, assign one
+    rank: int                                      # its rank in the replica's tensor-parallel group
+    pid: int
+    host: str
+
+
+@dataclass
+class Assign:
+    """Router → worker: what to serve."""
+    replica: int
+    rank: int
+    tensor_parallel: int
+    device_index: int                              # which local accelerator, when there are several
+    config: dict                                   # EngineConfig.to_dict()
+    heartbeat_s: float                             # the worker's heartbeat period
+    heartbeat_timeout_s: float                     # the router is gone when it has not answered this long
+
+
+@dataclass
+class LoadFailed:
+    """Worker → router: the model could not be loaded; the worker exits after sending this."""
+    replica: int
+    code: str                                      # errors.ERROR_CODES key
+    message: str
+
+
+@dataclass
+class StatsQuery:
+    """Router → replica leader: report the engine's counters now (after every earlier message)."""
+    token: int
+
+
+@dataclass
+class StatsReport:
+    """Replica leader → router."""
+    token: int
+    replica: int
+    stats: dict
+
+
 @dataclass
 class AddRequest:
     """Router → replica leader."""
@@ -101,7 +160,8 @@ class Ready:
 
 @dataclass
 class Heartbeat:
-    """Worker → router, every HEARTBEAT_S, with the engine's counters."""
+    """Worker → router every `heartbeat_s` on its own socket, with the engine's counters; the router echoes
+    it back (replica -1) so that a worker notices a router that is gone."""
     replica: int
     stats: dict = field(default_factory=dict)
 
@@ -115,12 +175,14 @@ class RequestFailed:
 
 @dataclass
 class Shutdown:
-    """Router → worker, or client → router: stop (drain up to `drain_s`, then abort)."""
+    """Router → worker, or client → router: stop (drain up to `drain_s`, then abort). The router answers a
+    client's Shutdown with a QueryReply for `req_id` before it starts draining."""
     drain_s: float = 0.0
+    req_id: str | None = None
 
 
-Message = Union[Generate, Abort, Delta, ErrorReply, AddRequest, AbortRequest, StepTokens, Ready, Heartbeat,
-                RequestFailed, Shutdown]
+Message = Union[Generate, Abort, Delta, ErrorReply, Query, QueryReply, Hello, Assign, LoadFailed, StatsQuery,
+                StatsReport, AddRequest, AbortRequest, StepTokens, Ready, Heartbeat, RequestFailed, Shutdown]
 _TYPES: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(Message)}
 _HINTS = {name: typing.get_type_hints(cls) for name, cls in _TYPES.items()}
 

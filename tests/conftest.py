@@ -28,6 +28,19 @@ def default_pipe(default_model_dir):
 
 
 @pytest.fixture(scope="session")
+def deployment(default_model_dir):
+    """A real deployment of the default model: a router process and one worker process."""
+    import mii_async
+    from tests.mesh_helpers import deployment_pids, wait_gone
+
+    client = mii_async.serve(str(default_model_dir), kv_cache_memory=0.1)
+    pids = [client._process.pid] + deployment_pids(client.run(client.health()))
+    yield client
+    client.terminate_server_sync(drain_s=0)
+    assert not wait_gone(pids), "processes left behind"
+
+
+@pytest.fixture(scope="session")
 def hf_default(default_model_dir):
     import torch
     from transformers import AutoModelForCausalLM

@@ -12,10 +12,10 @@ from typing import NamedTuple
 import torch
 
 from mii_async.config import EngineConfig
-from mii_async.errors import InvalidParameterError, RequestTooLongError
 from mii_async.kernels import get_ops
 from mii_async.model_source import resolve_model
 from mii_async.params import SamplingParams
+from mii_async.request_limits import RequestLimits
 
 from . import kv_cache
 from .block_manager import BlockManager
@@ -72,21 +72,13 @@ class Engine:
         """The most tokens (prompt + output) one request may hold: the context and the whole pool bound it."""
         return min(self.max_model_len, self.num_blocks * self.config.cache.block_size)
 
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(self.spec.vocab_size, self.max_model_len, self.max_request_tokens)
+
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raises an InvalidParameterError naming what makes the request impossible."""
-        if not prompt_ids:
-            raise InvalidParameterError("prompt", "must hold at least one token")
-        bad = next((t for t in prompt_ids if not 0 <= t < self.spec.vocab_size), None)
-        if bad is not None:
-            raise InvalidParameterError("prompt", f"token id {bad} is outside the vocabulary (size {self.spec.vocab_size})")
-        params.check_vocab(self.spec.vocab_size)
-        total = len(prompt_ids) + params.max_new_tokens
-        if total > self.max_model_len:
-            raise RequestTooLongError("max_new_tokens", f"prompt ({len(prompt_ids)} tokens) + max_new_tokens "
-                                      f"({params.max_new_tokens}) exceeds the model's context of {self.max_model_len}")
-        if total > self.max_request_tokens:
-            raise RequestTooLongError("max_new_tokens", f"prompt ({len(prompt_ids)} tokens) + max_new_tokens "
-                                      f"({params.max_new_tokens}) exceeds the KV pool of {self.max_request_tokens} tokens")
+        self.limits.check(prompt_ids, params)
 
     def add_request(self, req_id: int, prompt_ids: list[int], params: SamplingParams) -> None:
         assert req_id not in self.seqs, f"request id {req_id} is already live"

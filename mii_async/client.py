@@ -1,0 +1,339 @@
+"""AsyncClient: streams tokens from a deployment's router over ZeroMQ.
+
+    client = mii_async.serve()                      # or mii_async.client("tcp://127.0.0.1:5555")
+    async for chunk in client.stream("Hello", max_new_tokens=32):
+        print(chunk.text, end="")
+    responses = await client.generate(["a", "b"], max_new_tokens=8)
+    responses = client(["a", "b"], max_new_tokens=8)   # the synchronous facade, for scripts
+
+Concurrency: any number of streams may run at once, from any number of tasks; each event loop that uses the
+client gets its own DEALER socket and reader task, so the client may be shared by threads with loops of their
+own. The sync facade runs on a private loop thread. Cancellation: leaving an `async for` early, or cancelling
+the task that awaits `stream`/`generate`, sends an Abort; the replica frees the request's KV blocks within a
+step. Liveness: while requests are outstanding the client pings the router every `ping_s`; a router silent
+for `timeout_s` fails them with UnavailableError instead of hanging. Closing: `close()` drops the sockets (the
+router aborts what they had outstanding once it notices); `terminate_server()` stops the deployment.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+import uuid
+from typing import Any, AsyncIterator, Coroutine, Sequence, TypeVar
+
+import zmq.asyncio
+
+from . import protocol as P
+from .errors import UnavailableError, error_from_code
+from .outputs import Logprob, Response, StreamChunk, Usage
+from .params import SamplingParams
+from .router.prompts import is_messages, is_token_ids
+from .transport import DealerSocket
+
+log = logging.getLogger("mii_async.client")
+T = TypeVar("T")
+Prompt = Any   # str | list[int] (token ids) | list[dict] (chat messages)
+
+
+class _Lost(Exception):
+    """Put in a stream's queue when the router stopped answering."""
+
+
+class _Connection:
+    """One event loop's socket to the router, its reader and its pinger."""
+
+    def __init__(self, client: AsyncClient, loop: asyncio.AbstractEventLoop) -> None:
+        self.client, self.loop = client, loop
+        self.sock = DealerSocket(client._ctx, client.address, identity=f"c-{uuid.uuid4().hex}".encode(),
+                                 curve_dir=client.curve_dir)
+        self.streams: dict[str, asyncio.Queue] = {}
+        self.queries: dict[str, asyncio.Future] = {}
+        self.last_heard = time.monotonic()
+        self.busy_since = time.monotonic()
+        self._bg: set[asyncio.Task] = set()
+        self.tasks = [loop.create_task(self._read()), loop.create_task(self._ping())]
+
+    def outstanding(self) -> bool:
+        return bool(self.streams or self.queries)
+
+    def start_request(self) -> None:
+        if not self.outstanding():
+            self.busy_since = time.monotonic()
+
+    def send_later(self, msg: P.Message) -> None:
+        """Sends from code that must not await (a `finally` during cancellation)."""
+        task = self.loop.create_task(self.sock.send(msg))
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    async def _read(self) -> None:
+        while True:
+            msg = await self.sock.recv()
+            self.last_heard = time.monotonic()
+            if isinstance(msg, (P.Delta, P.ErrorReply)) and msg.req_id in self.streams:
+                self.streams[msg.req_id].put_nowait(msg)
+            elif isinstance(msg, P.ErrorReply) and msg.req_id in self.queries:
+                fut = self.queries.pop(msg.req_id)
+                if not fut.done():
+                    fut.set_exception(error_from_code(msg.code, msg.message, msg.param))
+            elif isinstance(msg, P.QueryReply):
+                fut = self.queries.pop(msg.req_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg.result)
+            elif isinstance(msg, P.ErrorReply) and msg.req_id is None:
+                log.warning("router: %s: %s", msg.code, msg.message)
+
+    async def _ping(self) -> None:
+        c = self.client
+        n = itertools.count()
+        while True:
+            await asyncio.sleep(c.ping_s)
+            if not self.outstanding():
+                continue
+            await self.sock.send(P.Query(f"ping-{next(n)}", "ping"))
+            if time.monotonic() - max(self.last_heard, self.busy_since) > c.timeout_s:
+                err = f"the router at {c.address} has not answered for {c.timeout_s:.0f} s"
+                for q in self.streams.values():
+                    q.put_nowait(_Lost(err))
+                for fut in self.queries.values():
+                    if not fut.done():
+                        fut.set_exception(UnavailableError(err))
+                self.queries.clear()
+
+    def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        self.sock.close()
+
+
+class AsyncClient:
+    def __init__(self, address: str, *, curve_dir: str | None = None, ping_s: float = 2.0,
+                 timeout_s: float = 30.0, _process: Any = None) -> None:
+        self.address = address
+        self.curve_dir = curve_dir
+        self.ping_s, self.timeout_s = ping_s, timeout_s
+        self._process = _process                  # the RouterProcess when serve() started it
+        self._ctx = zmq.asyncio.Context()
+        self._conns: dict[asyncio.AbstractEventLoop, _Connection] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._sync_loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+
+    # -- streaming -----------------------------------------------------------------------------------
+    async def stream(self, prompt: Prompt, **params: Any) -> AsyncIterator[StreamChunk]:
+        """Yields a StreamChunk per sampled token as soon as the router has it; the last one carries
+        finish_reason and usage. A refused request raises (InvalidParameterError naming the parameter,
+        OverloadedError, UnavailableError); a request that fails later ends with finish_reason "error"."""
+        async for d in self._deltas(prompt, params):
+            yield _chunk(d)
+
+    async def generate(self, prompts: Prompt | Sequence[Prompt], **params: Any) -> list[Response]:
+        """One Response per prompt, in order; a single prompt still gives a list. If one prompt is refused,
+        the others are aborted and the error is raised."""
+        if isinstance(prompts, str) or is_token_ids(prompts) or is_messages(prompts):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            from .errors import InvalidParameterError
+
+            raise InvalidParameterError("prompts", "must be a non-empty list of prompts")
+        SamplingParams.from_kwargs(**params)
+        tasks = [asyncio.ensure_future(self._collect(p, params)) for p in prompts]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    def __call__(self, prompts: Prompt | Sequence[Prompt], **params: Any) -> list[Response]:
+        """The synchronous facade: `generate` run on the client's own loop thread; blocks until done."""
+        return self.run(self.generate(prompts, **params))
+
+    async def _deltas(self, prompt: Prompt, params: dict[str, Any]) -> AsyncIterator[P.Delta]:
+        SamplingParams.from_kwargs(**params)       # fail fast, naming the parameter; the router checks again
+        conn = self._conn()
+        req_id = str(next(self._ids))
+        msg = P.Generate(req_id, params=_wire_params(params))
+        if isinstance(prompt, str):
+            msg.prompt = prompt
+        elif is_token_ids(prompt):
+            msg.prompt_ids = list(prompt)
+        elif is_messages(prompt):
+            msg.messages = [dict(m) for m in prompt]
+        else:
+            from .errors import InvalidParameterError
+
+            raise InvalidParameterError("prompt", "must be a string, a list of token ids or a list of chat messages")
+        q: asyncio.Queue = asyncio.Queue()
+        conn.start_request()
+        conn.streams[req_id] = q
+        done = False
+        try:
+            await conn.sock.send(msg)
+            while True:
+                item = await q.get()
+                if isinstance(item, _Lost):
+                    done = True
+                    raise UnavailableError(str(item))
+                if isinstance(item, P.ErrorReply):
+                    done = True
+                    raise error_from_code(item.code, item.message, item.param)
+                done = item.finish_reason is not None
+                yield item
+                if done:
+                    return
+        finally:
+            conn.streams.pop(req_id, None)
+            if not done and not self._closed:
+                conn.send_later(P.Abort(req_id))
+
+    async def _collect(self, prompt: Prompt, params: dict[str, Any]) -> Response:
+        text, ids, lps = [], [], []
+        prompt_ids: list[int] = []
+        last: P.Delta | None = None
+        async for d in self._deltas(prompt, params):
+            text.append(d.text)
+            ids.extend(d.token_ids)
+            if d.logprobs:
+                lps.extend(_logprob(x) for x in d.logprobs)
+            if d.prompt_ids is not None:
+                prompt_ids = d.prompt_ids
+            last = d
+        assert last is not None and last.finish_reason is not None, "stream ended without a finish reason"
+        out = "".join(text)
+        if params.get("return_full_text") and isinstance(prompt, str):
+            out = prompt + out
+        usage = _usage(last.usage)
+        return Response(out, usage.prompt_tokens if usage else len(prompt_ids), len(ids), last.finish_reason, ids,
+                        prompt_ids, lps if params.get("logprobs") is not None else None, usage, last.error)
+
+    # -- the deployment ------------------------------------------------------------------------------
+    async def health(self) -> dict:
+        """The router's view: state ("ready", "starting", "draining", "unavailable"), replicas, counters."""
+        return await self._query("health")
+
+    async def stats(self) -> dict:
+        """Fresh engine counters summed over ready replicas (used_blocks, free_blocks, running, waiting, …),
+        and per replica under "replicas"."""
+        return await self._query("stats")
+
+    async def terminate_server(self, drain_s: float = 10.0) -> None:
+        """Stops the deployment: live requests get up to `drain_s` to finish, then end with "abort"; every
+        router and worker process exits. Returns once the router has exited when this client started it."""
+        conn = self._conn()
+        req_id = f"shutdown-{next(self._ids)}"
+        fut = conn.loop.create_future()
+        conn.start_request()
+        conn.queries[req_id] = fut
+        await conn.sock.send(P.Shutdown(float(drain_s), req_id))
+        try:
+            await asyncio.wait_for(fut, self.timeout_s)
+        finally:
+            conn.queries.pop(req_id, None)
+        if self._process is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._process.wait, drain_s + 60.0)
+            self._process.stop(10.0)
+        self.close()
+
+    def terminate_server_sync(self, drain_s: float = 10.0) -> None:
+        """`terminate_server` for synchronous code."""
+        self.run(self.terminate_server(drain_s))
+
+    async def _query(self, what: str) -> dict:
+        conn = self._conn()
+        req_id = f"q-{next(self._ids)}"
+        fut = conn.loop.create_future()
+        conn.start_request()
+        conn.queries[req_id] = fut
+        try:
+            await conn.sock.send(P.Query(req_id, what))
+            return await fut
+        finally:
+            conn.queries.pop(req_id, None)
+
+    # -- plumbing ------------------------------------------------------------------------------------
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Runs one of this client's coroutines from synchronous code, on the client's private loop thread."""
+        with self._lock:
+            if self._sync_loop is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="mii_async-client", daemon=True).start()
+                self._sync_loop = loop
+        return asyncio.run_coroutine_threadsafe(coro, self._sync_loop).result()
+
+    def _conn(self) -> _Connection:
+        if self._closed:
+            from .errors import EngineClosedError
+
+            raise EngineClosedError("the client is closed")
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            conn = self._conns.get(loop)
+            if conn is None:
+                for old in [lp for lp in self._conns if lp.is_closed()]:   # e.g. one asyncio.run() per call
+                    self._conns.pop(old).sock.close()
+                conn = self._conns[loop] = _Connection(self, loop)
+        return conn
+
+    def close(self) -> None:
+        """Closes every socket of this client (idempotent). A deployment it started keeps running until
+        `terminate_server()`, or until this process exits."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            conns, self._conns = list(self._conns.values()), {}
+        for conn in conns:
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if conn.loop is running or conn.loop.is_closed():
+                conn.close()
+            else:
+                conn.loop.call_soon_threadsafe(conn.close)
+        if self._sync_loop is not None:
+            loop = self._sync_loop
+            # Not at once: close() may be running on that loop, inside a coroutine whose result is still to
+            # be handed to the waiting thread.
+            loop.call_soon_threadsafe(loop.call_later, 0.5, loop.stop)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self._process is not None:
+            await self.terminate_server()
+        self.close()
+
+    def __enter__(self) -> AsyncClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._process is not None:
+            self.terminate_server_sync()
+        self.close()
+
+
+def _wire_params(params: dict[str, Any]) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()}
+
+
+def _logprob(x: list) -> Logprob:
+    return Logprob(int(x[0]), float(x[1]), [(int(i), float(lp)) for i, lp in x[2]])
+
+
+def _usage(u: dict | None) -> Usage | None:
+    if u is None:
+        return None
+    return Usage(u["prompt_tokens"], u["completion_tokens"], u.get("cached_tokens", 0))
+
+
+def _chunk(d: P.Delta) -> StreamChunk:
+    lps = [_logprob(x) for x in d.logprobs] if d.logprobs else None
+    return StreamChunk(d.text, list(d.token_ids), lps, d.finish_reason, _usage(d.usage), d.error)

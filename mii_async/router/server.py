@@ -1,0 +1,476 @@
+"""Router: the deployment's front process — clients in, replicas out, tokens streamed back.
+
+One asyncio loop (uvloop) owns two ROUTER sockets: one for clients, one for workers. For each Generate it
+validates the parameters, tokenizes on a thread (never on the loop), checks the request against the replicas'
+limits and the admission bounds, picks a replica (balancer.py) and forwards the ids. Each StepTokens from a
+replica leader is detokenized per request (UTF-8 safe, stop strings) and streamed to the client as Deltas.
+A stop string ends a request here, and the replica is told to abort it.
+
+Failure handling: a bad frame or a bad request gets an ErrorReply and the loop carries on. A dead replica
+(process sentinel, missing heartbeats) fails each of its in-flight requests with finish_reason "error" and a
+message, and is replaced. A client silent for `client_timeout_s` (no ping) loses its requests, so that a
+crashed client does not hold KV blocks. `shutdown(drain_s)` refuses new work, lets live requests finish up to
+`drain_s`, aborts the rest (finish_reason "abort"), stops the workers and returns.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import zmq
+import zmq.asyncio
+
+from .. import protocol as P
+from ..config import EngineConfig, ServeConfig
+from ..errors import InvalidParameterError, MIIAsyncError, OverloadedError, UnavailableError, error_code
+from ..params import SamplingParams
+from ..transport import RouterSocket, start_authenticator
+from .balancer import Balancer, Candidate
+from .prompts import PromptEncoder
+from .replicas import Replica, ReplicaSet
+from .request_state import Ended, RequestState
+
+log = logging.getLogger("mii_async.router")
+HEALTH_PERIOD_S = 0.2
+RESTART_BACKOFF_S = (0.0, 1.0, 5.0, 15.0, 30.0)   # before the n-th consecutive quick restart of a replica
+STATS_TIMEOUT_S = 10.0
+
+
+class _TokenEvent(NamedTuple):      # what RequestState.on_event reads from a sampled token
+    token_id: int
+    logprobs: Any
+    finish_reason: str | None
+    cached_tokens: int
+
+
+class _Logprobs(NamedTuple):
+    logprob: float
+    top: list
+
+
+@dataclass
+class _Live:
+    rid: int                          # router-wide request number (the workers' req_id)
+    peer: bytes                       # the client's routing id
+    creq: str                         # the client's req_id
+    state: RequestState | None = None  # None while tokenizing
+    replica: Replica | None = None
+    cost: int = 0                     # prompt + max_new_tokens, counted against max_queued_tokens
+    sent_first: bool = False
+
+
+class Router:
+    def __init__(self, serve: ServeConfig, engine: EngineConfig) -> None:
+        self.serve_cfg, self.engine_cfg = serve, engine
+        self.ctx = zmq.asyncio.Context()
+        self._auth = start_authenticator(self.ctx, serve.curve_dir) if serve.curve_dir else None
+        self.clients = RouterSocket(self.ctx, f"tcp://{serve.host}:{serve.port}", serve.curve_dir)
+        self.workers_sock = RouterSocket(self.ctx, f"tcp://{serve.worker_host}:{serve.worker_port}", serve.curve_dir)
+        self.address = self.clients.address
+        self.worker_address = self.workers_sock.address
+        local = self.worker_address.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:")
+        self.replicas = ReplicaSet(serve.tensor_parallel, local, serve.curve_dir)
+        self.balancer = Balancer(engine.cache.block_size)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mii_async-tokenize")
+        self._rids = itertools.count()
+        self._tokens = itertools.count()
+        self.live: dict[int, _Live] = {}
+        self._by_client: dict[tuple[bytes, str], int] = {}
+        self._client_seen: dict[bytes, float] = {}
+        self._stats_waiters: dict[int, tuple[asyncio.Future, set[int], dict[int, dict]]] = {}
+        self._restarts: dict[int, int] = {}
+        self.queued_tokens = 0
+        self.state = "starting"           # starting | ready | draining | stopped
+        self.startup_errors: list[tuple[str, str]] = []    # (code, message) of replicas that failed to load
+        self.counters = {"requests": 0, "rejected": 0, "overloaded": 0, "failed": 0, "replica_deaths": 0}
+        self._tasks: list[asyncio.Task] = []
+        self._stopped = asyncio.Event()
+        self._shutdown_task: asyncio.Task | None = None
+        self._drain_deadline = 0.0
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Loads the tokenizer (resolving, and if need be converting, the model), then starts the replicas."""
+        from transformers import AutoTokenizer
+
+        from ..model_source import resolve_model
+
+        loop = asyncio.get_running_loop()
+        mc = self.engine_cfg.model
+        path = await loop.run_in_executor(self._pool, resolve_model, mc.model, mc.cache_dir)
+        self.model_path = path
+        # Two instances: encoding runs on the pool thread, decoding on the loop, and a fast tokenizer must
+        # not be used by two threads at once.
+        self.encoder = PromptEncoder(await loop.run_in_executor(self._pool, AutoTokenizer.from_pretrained, str(path)))
+        self.tokenizer = await loop.run_in_executor(self._pool, AutoTokenizer.from_pretrained, str(path))
+        self._tasks = [asyncio.create_task(self._client_loop(), name="clients"),
+                       asyncio.create_task(self._worker_loop(), name="workers"),
+                       asyncio.create_task(self._health_loop(), name="health")]
+        for i in range(self.serve_cfg.replicas):
+            self.replicas.start_local(i)
+
+    async def wait_ready(self) -> None:
+        """Returns once every local replica is ready or has failed; raises when none is ready."""
+        while any(r.state == "starting" and r.local for r in self.replicas.replicas.values()):
+            await asyncio.sleep(0.05)
+        if self.serve_cfg.replicas and not self.replicas.ready():
+            code, msg = self.startup_errors[0] if self.startup_errors else (
+                "unavailable", "; ".join(f"replica {r.index}: {r.error}" for r in self.replicas.replicas.values()))
+            raise _StartupError(code, msg)
+        if self.state == "starting":
+            self.state = "ready"
+        log.info("router ready on %s (workers on %s), %d replica(s)", self.address, self.worker_address,
+                 len(self.replicas.ready()))
+
+    async def serve_forever(self) -> None:
+        await self._stopped.wait()
+
+    def request_shutdown(self, drain_s: float) -> asyncio.Task:
+        if self._shutdown_task is None:
+            self._shutdown_task = asyncio.create_task(self.shutdown(drain_s))
+        return self._shutdown_task
+
+    def stop_draining(self) -> None:
+        """Ends a drain in progress now (a second SIGINT)."""
+        self._drain_deadline = 0.0
+
+    async def shutdown(self, drain_s: float) -> None:
+        """Drains up to `drain_s`, aborts what is left, stops the workers and closes the sockets."""
+        if self.state in ("draining", "stopped"):
+            return
+        self.state = "draining"
+        log.info("shutting down: draining %d request(s) for up to %.1f s", len(self.live), drain_s)
+        self._drain_deadline = time.monotonic() + drain_s
+        while self.live and time.monotonic() < self._drain_deadline:
+            await asyncio.sleep(0.05)
+        for live in list(self.live.values()):
+            await self._end(live, Ended("abort", "the deployment is shutting down"), tell_replica=True)
+        for rep in self.replicas.replicas.values():
+            for w in rep.workers.values():
+                await self.workers_sock.send(w.name.encode(), P.Shutdown())
+            if rep.state in ("starting", "ready"):
+                rep.state = "stopping"
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(None, c.stop, 10.0) for c in self.replicas.all_children()))
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.clients.close(linger_s=1.0)      # the final deltas still leave
+        self.workers_sock.close()
+        if self._auth is not None:
+            self._auth.stop()
+        self._pool.shutdown(wait=False)
+        self.state = "stopped"
+        self._stopped.set()
+
+    # -- clients -------------------------------------------------------------------------------------
+    async def _client_loop(self) -> None:
+        while True:
+            peer, msg = await self.clients.recv()
+            self._client_seen[peer] = time.monotonic()
+            try:
+                await self._on_client(peer, msg)
+            except Exception:  # noqa: BLE001 - never let one message stop the router
+                log.exception("error handling a client message")
+
+    async def _on_client(self, peer: bytes, msg: Any) -> None:
+        if isinstance(msg, P.Generate):
+            await self._on_generate(peer, msg)
+        elif isinstance(msg, P.Abort):
+            rid = self._by_client.get((peer, msg.req_id))
+            if rid is not None:
+                await self._end(self.live[rid], Ended("abort"), tell_replica=True)
+        elif isinstance(msg, P.Query):
+            asyncio.create_task(self._answer_query(peer, msg))
+        elif isinstance(msg, P.Shutdown):
+            await self.clients.send(peer, P.QueryReply(msg.req_id or "", {"state": "draining"}))
+            self.request_shutdown(msg.drain_s)
+        elif isinstance(msg, P.ProtocolError):
+            await self.clients.send(peer, P.ErrorReply(None, "bad_frame", str(msg)))
+        else:
+            await self.clients.send(peer, P.ErrorReply(None, "bad_frame", f"a client may not send {type(msg).__name__}"))
+
+    async def _on_generate(self, peer: bytes, msg: P.Generate) -> None:
+        self.counters["requests"] += 1
+        key = (peer, msg.req_id)
+        if key in self._by_client:
+            await self._refuse(peer, msg.req_id, InvalidParameterError("req_id", f"{msg.req_id!r} is already live"))
+            return
+        if self.state != "ready":
+            await self._refuse(peer, msg.req_id, UnavailableError(f"the deployment is {self.state}"))
+            return
+        if len(self.live) >= self.serve_cfg.max_queued_requests:
+            await self._refuse(peer, msg.req_id, OverloadedError(
+                f"overloaded: {len(self.live)} requests queued (max_queued_requests={self.serve_cfg.max_queued_requests})"))
+            return
+        live = _Live(next(self._rids), peer, msg.req_id)
+        self.live[live.rid] = live
+        self._by_client[key] = live.rid
+        asyncio.create_task(self._admit(live, msg))
+
+    async def _admit(self, live: _Live, msg: P.Generate) -> None:
+        try:
+            params = SamplingParams.from_kwargs(**msg.params)
+            given = [x for x in (msg.prompt, msg.prompt_ids, msg.messages) if x is not None]
+            if len(given) != 1:
+                raise InvalidParameterError("prompt", "give exactly one of prompt, prompt_ids and messages")
+            text, ids = await asyncio.get_running_loop().run_in_executor(self._pool, self.encoder.encode, given[0])
+            if self.live.get(live.rid) is not live:
+                return                                  # aborted while tokenizing
+            limits = self.replicas.limits()
+            if limits is None:
+                raise UnavailableError("no replica is ready")
+            limits.check(ids, params)
+            cost = len(ids) + params.max_new_tokens
+            if self.queued_tokens + cost > self.serve_cfg.max_queued_tokens:
+                raise OverloadedError(f"overloaded: {self.queued_tokens} tokens queued, this request adds {cost} "
+                                      f"(max_queued_tokens={self.serve_cfg.max_queued_tokens})")
+            cands = [Candidate(r.index, r.load) for r in self.replicas.ready()]
+            index = self.balancer.pick(cands, ids)
+            if index is None:
+                raise UnavailableError("no replica is ready")
+            rep = self.replicas.replicas[index]
+        except MIIAsyncError as exc:
+            self._forget(live)
+            await self._refuse(live.peer, live.creq, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer error on odd input
+            log.exception("request %s failed before dispatch", live.creq)
+            self._forget(live)
+            await self._refuse(live.peer, live.creq, InvalidParameterError("prompt", f"could not be encoded: {exc}"))
+            return
+        live.state = RequestState(self.tokenizer, text, ids, params)
+        live.replica, live.cost = rep, cost
+        rep.requests.add(live.rid)
+        rep.load += cost
+        self.queued_tokens += cost
+        await self.workers_sock.send(rep.leader, P.AddRequest(live.rid, ids, params.to_dict()))
+
+    async def _refuse(self, peer: bytes, creq: str, exc: MIIAsyncError) -> None:
+        code = error_code(exc)
+        self.counters["overloaded" if code == "overloaded" else "rejected"] += 1
+        await self.clients.send(peer, P.ErrorReply(creq, code, str(exc), getattr(exc, "param", None)))
+
+    async def _answer_query(self, peer: bytes, msg: P.Query) -> None:
+        if msg.what == "ping":
+            result: dict = {}
+        elif msg.what == "health":
+            result = self.health()
+        elif msg.what == "stats":
+            result = await self.stats()
+        else:
+            await self.clients.send(peer, P.ErrorReply(msg.req_id, "invalid_parameter",
+                                                       f"what: unknown query {msg.what!r}", "what"))
+            return
+        await self.clients.send(peer, P.QueryReply(msg.req_id, result))
+
+    def health(self) -> dict:
+        ready = self.replicas.ready()
+        state = self.state if self.state != "ready" or ready else "unavailable"
+        return {"state": state, "protocol_version": P.PROTOCOL_VERSION, "model": str(getattr(self, "model_path", "")),
+                "address": self.address, "worker_address": self.worker_address,
+                "replicas": [r.describe() for r in sorted(self.replicas.replicas.values(), key=lambda r: r.index)],
+                "live_requests": len(self.live), "queued_tokens": self.queued_tokens,
+                "bad_frames": self.clients.bad_frames + self.workers_sock.bad_frames, **self.counters}
+
+    async def stats(self) -> dict:
+        """Fresh engine counters from every ready replica (each answers after the messages sent before)."""
+        token = next(self._tokens)
+        ready = [r for r in self.replicas.ready() if r.leader is not None]
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._stats_waiters[token] = (fut, {r.index for r in ready}, {})
+        for rep in ready:
+            await self.workers_sock.send(rep.leader, P.StatsQuery(token))
+        try:
+            per = await asyncio.wait_for(fut, STATS_TIMEOUT_S) if ready else {}
+        except asyncio.TimeoutError:
+            per = self._stats_waiters[token][2]
+        finally:
+            self._stats_waiters.pop(token, None)
+        totals: dict[str, int] = {}
+        for s in per.values():
+            for k, v in s.items():
+                if isinstance(v, int):
+                    totals[k] = totals.get(k, 0) + v
+        return {**totals, "replicas": {str(i): s for i, s in sorted(per.items())}}
+
+    # -- workers -------------------------------------------------------------------------------------
+    async def _worker_loop(self) -> None:
+        while True:
+            peer, msg = await self.workers_sock.recv()
+            try:
+                await self._on_worker(peer, msg)
+            except Exception:  # noqa: BLE001
+                log.exception("error handling a worker message")
+
+    async def _on_worker(self, peer: bytes, msg: Any) -> None:
+        if isinstance(msg, P.StepTokens):
+            await self._on_step(peer, msg)
+        elif isinstance(msg, P.Heartbeat):
+            found = self.replicas.worker(peer.decode(errors="replace").removesuffix("/hb"))
+            if found is not None:
+                found[0].last_heartbeat = time.monotonic()
+                if found[1] == 0:
+                    found[0].stats = msg.stats
+            await self.workers_sock.send(peer, P.Heartbeat(-1, {}))
+        elif isinstance(msg, P.RequestFailed):
+            live = self.live.get(msg.req_id)
+            if live is not None and self._from_replica(peer, live):
+                self.counters["failed"] += 1
+                await self._end(live, Ended("error", msg.message), tell_replica=False)
+        elif isinstance(msg, P.StatsReport):
+            waiter = self._stats_waiters.get(msg.token)
+            if waiter is not None:
+                fut, want, got = waiter
+                got[msg.replica] = msg.stats
+                if want <= set(got) and not fut.done():
+                    fut.set_result(got)
+        elif isinstance(msg, P.Hello):
+            rep = self.replicas.on_hello(msg.worker, msg.replica, msg.rank, msg.pid, msg.host)
+            if rep is None or msg.worker.encode() != peer:
+                log.warning("refusing worker %s (replica %d rank %d)", msg.worker, msg.replica, msg.rank)
+                await self.workers_sock.send(peer, P.Shutdown())
+                return
+            s = self.serve_cfg
+            await self.workers_sock.send(peer, P.Assign(rep.index, msg.rank, rep.tensor_parallel,
+                                                        rep.index * rep.tensor_parallel + msg.rank,
+                                                        self.engine_cfg.to_dict(), s.heartbeat_s, s.heartbeat_timeout_s))
+        elif isinstance(msg, P.Ready):
+            rep = self.replicas.on_ready(peer.decode(errors="replace"), msg.info)
+            if rep is not None:
+                self.balancer.forget(rep.index)
+                log.info("replica %d ready (%s)", rep.index, rep.workers[0].info.get("device"))
+        elif isinstance(msg, P.LoadFailed):
+            found = self.replicas.worker(peer.decode(errors="replace"))
+            if found is not None:
+                found[0].load_failed = True
+                self.startup_errors.append((msg.code, msg.message))
+                await self._replica_died(found[0], f"could not load the model: {msg.message}")
+        elif isinstance(msg, P.ProtocolError):
+            log.warning("bad frame from worker %r: %s", peer, msg)
+        else:
+            log.warning("unexpected %s from worker %r", type(msg).__name__, peer)
+
+    def _from_replica(self, peer: bytes, live: _Live) -> bool:
+        return live.replica is not None and live.replica.leader == peer and live.replica.state == "ready"
+
+    async def _on_step(self, peer: bytes, msg: P.StepTokens) -> None:
+        n = len(msg.req_ids)
+        if not (len(msg.token_ids) == len(msg.finish_reasons) == len(msg.cached_tokens) == n) or (
+                msg.logprobs is not None and len(msg.logprobs) != n):
+            log.warning("malformed StepTokens from %r", peer)
+            return
+        for i, rid in enumerate(msg.req_ids):
+            live = self.live.get(rid)
+            if live is None or live.state is None or not self._from_replica(peer, live):
+                continue                              # aborted, or a late token of a dead generation
+            lp = msg.logprobs[i] if msg.logprobs is not None else None
+            ev = _TokenEvent(msg.token_ids[i], _Logprobs(lp[0], [tuple(t) for t in lp[1]]) if lp else None,
+                             msg.finish_reasons[i], msg.cached_tokens[i])
+            chunk = live.state.on_event(ev)
+            if chunk is not None:
+                await self._send_chunk(live, chunk)
+            if live.state.needs_abort:
+                live.state.needs_abort = False
+                await self.workers_sock.send(peer, P.AbortRequest(rid))
+            if live.state.finished:
+                self._forget(live)
+
+    async def _send_chunk(self, live: _Live, chunk: Any) -> None:
+        lps = None if chunk.logprobs is None else [[lp.token_id, lp.logprob, [list(t) for t in lp.top]]
+                                                   for lp in chunk.logprobs]
+        first = not live.sent_first
+        live.sent_first = True
+        await self.clients.send(live.peer, P.Delta(
+            live.creq, chunk.text, list(chunk.token_ids), lps, chunk.finish_reason,
+            chunk.usage.to_dict() if chunk.usage is not None else None, chunk.error,
+            list(live.state.prompt_ids) if first else None))
+
+    async def _end(self, live: _Live, ev: Ended, tell_replica: bool) -> None:
+        """Ends a live request with an abort or an error, telling the client (and the replica)."""
+        self._forget(live)
+        if live.state is None:                      # still tokenizing: _admit will see it gone
+            if ev.reason == "error":
+                await self.clients.send(live.peer, P.ErrorReply(live.creq, "generation_failed", ev.error or "error"))
+            else:
+                await self.clients.send(live.peer, P.Delta(live.creq, "", [], None, "abort", None, ev.error))
+            return
+        if tell_replica and live.replica is not None and live.replica.state == "ready":
+            await self.workers_sock.send(live.replica.leader, P.AbortRequest(live.rid))
+        chunk = live.state.on_event(ev)
+        if chunk is not None:
+            await self._send_chunk(live, chunk)
+
+    def _forget(self, live: _Live) -> None:
+        if self.live.pop(live.rid, None) is None:
+            return
+        self._by_client.pop((live.peer, live.creq), None)
+        if live.replica is not None:
+            live.replica.requests.discard(live.rid)
+            live.replica.load -= live.cost
+            self.queued_tokens -= live.cost
+
+    # -- health --------------------------------------------------------------------------------------
+    async def _health_loop(self) -> None:
+        s = self.serve_cfg
+        while True:
+            await asyncio.sleep(HEALTH_PERIOD_S)
+            now = time.monotonic()
+            for rep, reason in self.replicas.find_dead(now, s.heartbeat_timeout_s, s.startup_timeout_s):
+                await self._replica_died(rep, reason)
+            self._update_loads()
+            await self._expire_clients(now)
+
+    def _update_loads(self) -> None:
+        """Load = outstanding tokens: what each live request may still cost its replica."""
+        for rep in self.replicas.ready():
+            rep.load = sum(self.live[r].cost - len(self.live[r].state.output_ids)
+                           for r in rep.requests if r in self.live and self.live[r].state is not None)
+
+    async def _replica_died(self, rep: Replica, reason: str) -> None:
+        if rep.state in ("dead", "stopping"):
+            return
+        was_ready = rep.state == "ready"
+        self.counters["replica_deaths"] += 1
+        log.error("replica %d died: %s; failing its %d request(s)", rep.index, reason, len(rep.requests))
+        self.replicas.mark_dead(rep, reason)
+        for rid in list(rep.requests):
+            live = self.live.get(rid)
+            if live is not None:
+                self.counters["failed"] += 1
+                await self._end(live, Ended("error", f"replica {rep.index} failed: {reason}"), tell_replica=False)
+        loop = asyncio.get_running_loop()
+        for child in rep.children.values():
+            loop.run_in_executor(None, child.stop, 5.0)           # reap the processes, off the loop
+        if rep.local and not rep.load_failed and self.serve_cfg.restart_replicas and self.state in ("ready", "starting"):
+            quick = was_ready and rep.ready_at is not None and time.monotonic() - rep.ready_at < 60
+            n = self._restarts[rep.index] = self._restarts.get(rep.index, 0) + 1 if quick or not was_ready else 1
+            delay = RESTART_BACKOFF_S[min(n - 1, len(RESTART_BACKOFF_S) - 1)]
+            log.info("replica %d: starting a replacement in %.0f s", rep.index, delay)
+            loop.call_later(delay, self._restart, rep.index)
+
+    def _restart(self, index: int) -> None:
+        if self.state in ("ready", "starting") and self.replicas.replicas[index].state == "dead":
+            self.replicas.start_local(index)
+
+    async def _expire_clients(self, now: float) -> None:
+        timeout = self.serve_cfg.client_timeout_s
+        gone = {p for p, seen in self._client_seen.items() if now - seen > timeout}
+        if not gone:
+            return
+        for live in [x for x in self.live.values() if x.peer in gone]:
+            log.warning("client %r silent for %.0f s: aborting its request %s", live.peer, timeout, live.creq)
+            await self._end(live, Ended("abort", "client timed out"), tell_replica=True)
+        for p in gone:
+            del self._client_seen[p]
+
+
+class _StartupError(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        self.code = code
+        super().__init__(message)

@@ -1,0 +1,63 @@
+"""Helpers for tests of real deployments: waiting on conditions, checking that processes are gone."""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any, Awaitable, Callable
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout_s: float = 15.0) -> list[int]:
+    """Waits for every pid to exit; returns those still running after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        left = [p for p in pids if alive(p)]
+        if not left:
+            return []
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+async def until(pred: Callable[[], Awaitable[Any]], timeout_s: float, what: str, period_s: float = 0.05) -> Any:
+    """Polls an async predicate until it returns something truthy; fails naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what} (last: {value!r})")
+        await asyncio.sleep(period_s)
+
+
+async def kv_idle(client: Any, timeout_s: float = 5.0) -> dict:
+    """Waits until no request holds KV blocks and none is queued; returns the stats."""
+    async def idle() -> dict | None:
+        s = await client.stats()
+        return s if s["used_blocks"] == 0 and s["running"] == 0 and s["waiting"] == 0 else None
+    return await until(idle, timeout_s, "KV blocks back at the idle baseline")
+
+
+def deployment_pids(health: dict) -> list[int]:
+    return [p for r in health["replicas"] for p in r["pids"]]
+
+
+def run(coro: Awaitable[Any]) -> Any:
+    return asyncio.run(coro)
+
+
+def worker_pids_now(client: Any) -> list[int]:
+    return deployment_pids(client.run(client.health()))
+
+
+def env_pid_list(name: str) -> list[int]:
+    return [int(x) for x in os.environ.get(name, "").split(",") if x]

@@ -1,0 +1,188 @@
+"""AsyncClient against a real deployment of the default model: a router process and a worker process."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+import mii_async
+from mii_async import InvalidParameterError, OverloadedError, RequestTooLongError
+from tests.mesh_helpers import kv_idle, until, wait_gone, deployment_pids
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_sync_facade_answers_paris(deployment):
+    """The synchronous facade returns Responses; the default model answers the capital question."""
+    [r] = deployment([QUESTION], max_new_tokens=12)
+    assert "Paris" in r.generated_text
+    assert r.finish_reason == "stop" and r.generated_length == len(r.token_ids) == r.usage.completion_tokens
+    assert r.prompt_length == len(r.prompt_token_ids) > 0
+
+
+def test_64_concurrent_streams_equal_generate(deployment):
+    """64 concurrent streams: each one's concatenated deltas equal `generate` for the same seed."""
+    prompts = [f"Write a sentence about the number {i}." for i in range(64)]
+    params = [dict(max_new_tokens=12, temperature=0.8 if i % 2 else 0.0, seed=i) for i in range(64)]
+
+    async def one_stream(p, kw):
+        text, ids, last = [], [], None
+        async for chunk in deployment.stream(p, **kw):
+            text.append(chunk.text)
+            ids.extend(chunk.token_ids)
+            last = chunk
+        return "".join(text), ids, last
+
+    async def main():
+        streamed = await asyncio.gather(*(one_stream(p, kw) for p, kw in zip(prompts, params)))
+        generated = await asyncio.gather(*(deployment.generate(p, **kw) for p, kw in zip(prompts, params)))
+        return streamed, [g[0] for g in generated]
+
+    streamed, generated = asyncio.run(main())
+    for (text, ids, last), resp in zip(streamed, generated):
+        assert last.finish_reason in ("stop", "length") and last.usage.completion_tokens == len(ids)
+        assert ids == resp.token_ids
+        assert text == resp.generated_text
+        assert "\ufffd" not in text
+
+
+def test_remote_equals_local_pipeline(deployment, default_pipe):
+    """Through the mesh, text, tokens, logprobs and stop strings are what the in-process pipeline gives."""
+    prompts = ["The capital of France is", "List three colours:"]
+    kw = dict(max_new_tokens=20, logprobs=2, stop=[" and", "\n\n"])
+    remote = deployment(prompts, **kw)
+    local = default_pipe(prompts, **kw)
+    for r, l in zip(remote, local):
+        assert (r.generated_text, r.token_ids, r.finish_reason) == (l.generated_text, l.token_ids, l.finish_reason)
+        assert [x.token_id for x in r.logprobs] == [x.token_id for x in l.logprobs]
+        for a, b in zip(r.logprobs, l.logprobs):
+            assert abs(a.logprob - b.logprob) < 1e-4 and [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def test_leaving_the_loop_early_frees_kv(deployment):
+    """Breaking out of a stream (and cancelling a task) aborts the request: KV blocks return to baseline."""
+    async def main():
+        await kv_idle(deployment)
+        agen = deployment.stream("Count from one to one thousand:", max_new_tokens=400, ignore_eos=True)
+        n = 0
+        async for _ in agen:
+            n += 1
+            if n == 3:
+                break
+        await agen.aclose()
+        await kv_idle(deployment)
+
+        async def consume():
+            async for _ in deployment.stream("Tell me a long story.", max_new_tokens=400, ignore_eos=True):
+                pass
+        task = asyncio.create_task(consume())
+        await until(lambda: _used(deployment), 10, "the request to hold KV blocks")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        t0 = time.monotonic()
+        await kv_idle(deployment)
+        return time.monotonic() - t0
+
+    assert asyncio.run(main()) < 5
+
+
+async def _used(client) -> int:
+    return (await client.stats())["used_blocks"]
+
+
+def test_bad_requests_name_the_parameter(deployment):
+    """Bad values are refused with errors naming the parameter, by the client and by the router; the
+    deployment keeps serving."""
+    async def main():
+        with pytest.raises(InvalidParameterError) as e:
+            await deployment.generate("hi", temperature=-1)
+        assert e.value.param == "temperature"
+        with pytest.raises(InvalidParameterError) as e:
+            await deployment.generate("hi", max_new_tokenz=3)
+        assert e.value.param == "max_new_tokenz"
+        with pytest.raises(RequestTooLongError) as e:
+            await deployment.generate("hi", max_new_tokens=10**6)
+        assert e.value.param == "max_new_tokens"
+        with pytest.raises(InvalidParameterError) as e:
+            await deployment.generate([[5, 10**7]], max_new_tokens=3)
+        assert e.value.param == "prompt"
+        with pytest.raises(InvalidParameterError) as e:
+            await deployment.generate([[{"role": "user"}]], max_new_tokens=3)
+        assert e.value.param == "messages[0]"
+        [r] = await deployment.generate("hi", max_new_tokens=2)
+        assert r.generated_length == 2
+        await kv_idle(deployment)
+    asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def small(default_model_dir):
+    """A deployment with one running sequence at a time, 3 queued requests at most, a 4 s client timeout."""
+    client = mii_async.serve(str(default_model_dir), kv_cache_memory=0.1, max_num_seqs=1, max_queued_requests=3,
+                             client_timeout_s=4.0)
+    pids = [client._process.pid] + deployment_pids(client.run(client.health()))
+    yield client
+    client.terminate_server_sync(drain_s=0)
+    assert not wait_gone(pids), "processes left behind"
+
+
+def test_cancel_while_queued_and_overload(small):
+    """A request cancelled while queued leaves the engine's queue; past max_queued_requests a request is
+    refused at once with OverloadedError; afterwards KV is back at baseline and requests succeed."""
+    async def long_stream(started: asyncio.Event | None = None):
+        async for _ in small.stream("Tell me a very long story.", max_new_tokens=500, ignore_eos=True):
+            if started is not None:
+                started.set()
+
+    async def main():
+        await kv_idle(small)
+        started = asyncio.Event()
+        a = asyncio.create_task(long_stream(started))
+        await asyncio.wait_for(started.wait(), 30)
+        b = asyncio.create_task(long_stream())
+        await until(lambda: _waiting(small, 1), 10, "a queued request")
+        b.cancel()
+        await asyncio.gather(b, return_exceptions=True)
+        await until(lambda: _waiting(small, 0), 5, "the queued request to leave the queue")
+        c = asyncio.create_task(long_stream())
+        d = asyncio.create_task(long_stream())
+        await until(lambda: _waiting(small, 2), 10, "two queued requests")
+        t0 = time.monotonic()
+        with pytest.raises(OverloadedError, match="max_queued_requests"):
+            await small.generate("one too many", max_new_tokens=2)
+        refused_in = time.monotonic() - t0
+        for t in (a, c, d):
+            t.cancel()
+        await asyncio.gather(a, c, d, return_exceptions=True)
+        await kv_idle(small)
+        [r] = await small.generate("hi", max_new_tokens=2)
+        return refused_in, r
+
+    refused_in, r = asyncio.run(main())
+    assert refused_in < 1.0 and r.generated_length == 2
+
+
+async def _waiting(client, n: int) -> bool:
+    return (await client.stats())["waiting"] == n
+
+
+def test_silent_client_loses_its_requests(small):
+    """A client that vanishes without an abort (no pings) has its requests aborted after client_timeout_s."""
+    import zmq
+
+    from mii_async import protocol as P
+
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.connect(small.address)
+    s.send(P.encode(P.Generate("x", prompt="Tell me a long story.", params={"max_new_tokens": 500, "ignore_eos": True})))
+    assert s.poll(30_000), "no delta from the router"
+    s.close(linger=0)
+    ctx.term()
+
+    async def main():
+        await until(lambda: _used(small), 5, "the orphaned request to hold KV blocks")
+        await kv_idle(small, timeout_s=15)
+    asyncio.run(main())
