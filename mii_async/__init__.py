@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from .api import client, pipeline, serve
-from .client import AsyncClient
+from .async_client import AsyncClient
 from .errors import (EngineClosedError, GenerationError, InvalidParameterError, MIIAsyncError, ModelNotFoundError,
                      OverloadedError, RequestTooLongError, UnavailableError, UnsupportedModelError)
 from .outputs import Response, StreamChunk, Usage

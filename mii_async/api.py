@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .client import AsyncClient
+    from .async_client import AsyncClient
     from .local_pipeline import Pipeline
 
 
@@ -32,7 +32,7 @@ def serve(model: str | None = None, *, replicas: int = 1, tensor_parallel: int =
     client_timeout_s, drain_timeout_s, startup_timeout_s, restart_replicas, curve_dir) or engine options as
     for `pipeline()`. The processes stop on `await client.terminate_server()`, or when this process exits.
     """
-    from .client import AsyncClient
+    from .async_client import AsyncClient
     from .config import split_serve_kwargs
     from .deployment import RouterProcess
     from .errors import InvalidParameterError
@@ -49,6 +49,6 @@ def serve(model: str | None = None, *, replicas: int = 1, tensor_parallel: int =
 def client(address: str, *, curve_dir: str | None = None, timeout_s: float = 30.0) -> AsyncClient:
     """Connects to a running deployment's router, e.g. `client("tcp://127.0.0.1:5555")`. Connecting is lazy:
     an unreachable router shows as UnavailableError on the first request, after `timeout_s`."""
-    from .client import AsyncClient
+    from .async_client import AsyncClient
 
     return AsyncClient(address, curve_dir=curve_dir, timeout_s=timeout_s)

@@ -21,3 +21,67 @@ def test_bad_option_is_a_clear_error():
     """A bad sampling option exits 2 with a message naming it, before any model loads."""
     out = _cli("generate", "hi", "--temperature", "-1")
     assert out.returncode == 2 and "temperature" in out.stderr and "loading" not in out.stderr
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_with_a_joining_worker_over_curve(default_model_dir, tmp_path):
+    """`mii-async serve --replicas 0` waits for workers; `mii-async worker --router tcp://…` joins it; with
+    CURVE keys a client with the keys is served and one without them is not; SIGTERM stops both processes."""
+    import asyncio
+    import json
+    import signal
+
+    import pytest
+
+    import mii_async
+    from mii_async import UnavailableError
+    from tests.mesh_helpers import until, wait_gone
+
+    keys = tmp_path / "keys"
+    assert _cli("keys", str(keys)).returncode == 0
+    port, wport = _free_port(), _free_port()
+    serve = subprocess.Popen([sys.executable, "-m", "mii_async", "serve", str(default_model_dir), "--replicas", "0",
+                              "--port", str(port), "--worker-port", str(wport), "--curve-dir", str(keys),
+                              "--status-json"], stdout=subprocess.PIPE, text=True)
+    worker = None
+    try:
+        line = serve.stdout.readline()
+        assert line.startswith("mii-async: serving"), line
+        status = json.loads(serve.stdout.readline())
+        assert status["address"] == f"tcp://127.0.0.1:{port}"
+        worker = subprocess.Popen([sys.executable, "-m", "mii_async", "worker", "--router",
+                                   f"tcp://127.0.0.1:{wport}", "--curve-dir", str(keys)])
+        client = mii_async.client(status["address"], curve_dir=str(keys))
+
+        async def ready():
+            h = await client.health()
+            return h if [r["state"] for r in h["replicas"]] == ["ready"] else None
+
+        async def main():
+            h = await until(ready, 120, "the joined worker")
+            assert h["replicas"][0]["local"] is False and h["replicas"][0]["pids"] == [worker.pid]
+            [r] = await client.generate([[{"role": "user", "content": "What is the capital of France?"}]],
+                                        max_new_tokens=12)
+            assert "Paris" in r.generated_text
+            stranger = mii_async.client(status["address"], timeout_s=3.0)
+            stranger.ping_s = 0.5
+            with pytest.raises(UnavailableError):
+                await stranger.generate("hi", max_new_tokens=2)
+            stranger.close()
+        asyncio.run(main())
+        client.close()
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=30) == 0
+        assert worker.wait(timeout=30) == 0
+    finally:
+        for p in (serve, worker):
+            if p is not None and p.poll() is None:
+                p.kill()
+    assert not wait_gone([serve.pid, worker.pid])

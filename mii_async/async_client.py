@@ -89,19 +89,32 @@ class _Connection:
     async def _ping(self) -> None:
         c = self.client
         n = itertools.count()
+        pending: asyncio.Task | None = None
         while True:
             await asyncio.sleep(c.ping_s)
             if not self.outstanding():
                 continue
-            await self.sock.send(P.Query(f"ping-{next(n)}", "ping"))
             if time.monotonic() - max(self.last_heard, self.busy_since) > c.timeout_s:
-                err = f"the router at {c.address} has not answered for {c.timeout_s:.0f} s"
-                for q in self.streams.values():
-                    q.put_nowait(_Lost(err))
-                for fut in self.queries.values():
-                    if not fut.done():
-                        fut.set_exception(UnavailableError(err))
-                self.queries.clear()
+                self.fail_all(f"the router at {c.address} has not answered for {c.timeout_s:.0f} s")
+                continue
+            if pending is None or pending.done():     # a send blocks while no connection is up
+                pending = self.loop.create_task(self.sock.send(P.Query(f"ping-{next(n)}", "ping")))
+
+    def fail_all(self, err: str) -> None:
+        for q in self.streams.values():
+            q.put_nowait(_Lost(err))
+        for fut in self.queries.values():
+            if not fut.done():
+                fut.set_exception(UnavailableError(err))
+        self.queries.clear()
+
+    async def send(self, msg: P.Message) -> None:
+        """Sends, or raises UnavailableError when no connection to the router comes up within timeout_s."""
+        try:
+            await asyncio.wait_for(self.sock.send(msg), self.client.timeout_s)
+        except asyncio.TimeoutError:
+            raise UnavailableError(f"could not reach the router at {self.client.address} "
+                                   f"within {self.client.timeout_s:.0f} s") from None
 
     def close(self) -> None:
         for t in self.tasks:
@@ -174,7 +187,7 @@ class AsyncClient:
         conn.streams[req_id] = q
         done = False
         try:
-            await conn.sock.send(msg)
+            await conn.send(msg)
             while True:
                 item = await q.get()
                 if isinstance(item, _Lost):
@@ -230,8 +243,8 @@ class AsyncClient:
         fut = conn.loop.create_future()
         conn.start_request()
         conn.queries[req_id] = fut
-        await conn.sock.send(P.Shutdown(float(drain_s), req_id))
         try:
+            await conn.send(P.Shutdown(float(drain_s), req_id))
             await asyncio.wait_for(fut, self.timeout_s)
         finally:
             conn.queries.pop(req_id, None)
@@ -251,7 +264,7 @@ class AsyncClient:
         conn.start_request()
         conn.queries[req_id] = fut
         try:
-            await conn.sock.send(P.Query(req_id, what))
+            await conn.send(P.Query(req_id, what))
             return await fut
         finally:
             conn.queries.pop(req_id, None)

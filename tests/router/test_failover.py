@@ -1,0 +1,112 @@
+"""Replicas, worker death and shutdown, with real processes: kill -9 a worker, drain, lose the parent."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import mii_async
+from tests.mesh_helpers import alive, deployment_pids, kv_idle, until, wait_gone
+
+pytestmark = pytest.mark.slow
+LONG = dict(max_new_tokens=120, ignore_eos=True)
+
+
+async def _collect(client, prompt, **kw):
+    chunks = []
+    async for c in client.stream(prompt, **kw):
+        chunks.append(c)
+    return chunks, time.monotonic()
+
+
+def test_two_replicas_kill9_recovery_and_graceful_stop(default_model_dir):
+    """Requests spread over 2 replicas; kill -9 of one worker ends its streams with an error within 5 s while
+    the other replica's streams go on, new requests go to the healthy replica, a replacement starts and serves;
+    terminate_server drains then aborts, and every process exits."""
+    client = mii_async.serve(str(default_model_dir), replicas=2, kv_cache_memory=0.1)
+    router_pid = client._process.pid
+    all_pids = {router_pid}
+    try:
+        async def main():
+            h = await client.health()
+            assert [r["state"] for r in h["replicas"]] == ["ready", "ready"]
+            all_pids.update(deployment_pids(h))
+            tasks = [asyncio.create_task(_collect(client, f"Story number {i}:", **LONG)) for i in range(4)]
+            h = await until(lambda: _spread(client), 30, "requests on both replicas")
+            victim = h["replicas"][0]["pids"][0]
+            os.kill(victim, signal.SIGKILL)
+            killed_at = time.monotonic()
+            done, pending = await asyncio.wait(tasks, timeout=5.0)
+            errors = [t.result() for t in done]
+            assert len(errors) == 2 and len(pending) == 2
+            for chunks, t in errors:
+                last = chunks[-1]
+                assert last.finish_reason == "error" and t - killed_at < 5.0
+                assert "replica 0" in last.error and "SIGKILL" in last.error
+            # Replica 0 is known dead: new requests go to replica 1 while it is replaced.
+            assert (await client.health())["replica_deaths"] == 1
+            [r] = await client.generate("The capital of France is", max_new_tokens=4)
+            assert r.finish_reason == "length"
+            for chunks, _ in await asyncio.gather(*pending):
+                assert chunks[-1].finish_reason == "length" and len(chunks) == LONG["max_new_tokens"]
+            h = await until(lambda: _replaced(client), 120, "the replacement replica")
+            all_pids.update(deployment_pids(h))
+            assert not alive(victim)
+            [r] = await client.generate("The capital of France is", max_new_tokens=4)
+            assert r.finish_reason == "length"
+            await kv_idle(client)
+            # Graceful stop: live requests get drain_s, then end with "abort".
+            tasks = [asyncio.create_task(_collect(client, f"Another story {i}:", **LONG)) for i in range(2)]
+            await until(lambda: _used(client), 30, "live requests")
+            t0 = time.monotonic()
+            await client.terminate_server(drain_s=1.0)
+            ended = await asyncio.gather(*tasks)
+            assert all(c[-1].finish_reason == "abort" for c, _ in ended)
+            assert all(t - t0 < 5.0 for _, t in ended)
+        asyncio.run(main())
+    finally:
+        if client._process.child.poll() is None:
+            client.terminate_server_sync(drain_s=0)
+    assert not wait_gone(sorted(all_pids)), "processes left behind"
+
+
+async def _spread(client):
+    h = await client.health()
+    return h if all(r["requests"] >= 1 for r in h["replicas"]) else None
+
+
+async def _replaced(client):
+    h = await client.health()
+    r0 = h["replicas"][0]
+    return h if r0["state"] == "ready" and r0["generation"] == 1 else None
+
+
+async def _used(client):
+    return (await client.stats())["used_blocks"]
+
+
+def test_parent_death_stops_the_deployment(default_model_dir, tmp_path):
+    """kill -9 of the process that called serve(): the router and its workers exit, no orphan is left."""
+    script = textwrap.dedent(f"""
+        import json, sys, time, mii_async
+        c = mii_async.serve({str(default_model_dir)!r}, kv_cache_memory=0.1)
+        h = c.run(c.health())
+        print(json.dumps([c._process.pid] + [p for r in h["replicas"] for p in r["pids"]]), flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = json.loads(proc.stdout.readline())
+        assert len(pids) == 2 and all(alive(p) for p in pids)
+        proc.kill()
+        proc.wait()
+        assert not wait_gone(pids, timeout_s=15), "orphans after the parent died"
+    finally:
+        proc.kill()
