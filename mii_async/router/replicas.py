@@ -43,7 +43,6 @@ class Replica:
     ready_at: float | None = None
     last_heartbeat: float = field(default_factory=time.monotonic)
     requests: set[int] = field(default_factory=set)                # router request numbers in flight here
-    load: int = 0                  # outstanding tokens (balancer input)
     stats: dict = field(default_factory=dict)                       # latest engine counters
     error: str | None = None       # why it died
     load_failed: bool = False      # it could not load the model: never restarted
@@ -58,11 +57,11 @@ class Replica:
         w = self.workers.get(0)
         return RequestLimits.from_dict(w.info) if w is not None and w.ready else None
 
-    def describe(self) -> dict:
+    def describe(self, load_tokens: int) -> dict:
         return {"replica": self.index, "generation": self.generation, "state": self.state, "local": self.local,
                 "pids": [w.pid for w in self.workers.values()] or [c.pid for c in self.children.values()],
                 "hosts": sorted({w.host for w in self.workers.values()}), "requests": len(self.requests),
-                "load_tokens": self.load, "error": self.error,
+                "load_tokens": load_tokens, "error": self.error,
                 "device": self.workers[0].info.get("device") if 0 in self.workers else None}
 
 

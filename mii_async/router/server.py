@@ -6,10 +6,8 @@ limits and the admission bounds, picks a replica (balancer.py) and forwards the 
 replica leader is detokenized per request (UTF-8 safe, stop strings) and streamed to the client as Deltas.
 A stop string ends a request here, and the replica is told to abort it.
 
-Failure handling: a bad frame or a bad request gets an ErrorReply and the loop carries on. A dead replica
-(process sentinel, missing heartbeats) fails each of its in-flight requests with finish_reason "error" and a
-message, and is replaced. A client silent for `client_timeout_s` (no ping) loses its requests, so that a
-crashed client does not hold KV blocks. `shutdown(drain_s)` refuses new work, lets live requests finish up to
+Failure handling: a bad frame or a bad request gets an ErrorReply and the loop carries on; dead replicas
+and silent clients are the supervisor's (supervisor.py). `shutdown(drain_s)` refuses new work, lets live requests finish up to
 `drain_s`, aborts the rest (finish_reason "abort"), stops the workers and returns.
 """
 from __future__ import annotations
@@ -33,11 +31,10 @@ from ..transport import RouterSocket, start_authenticator
 from .balancer import Balancer, Candidate
 from .prompts import PromptEncoder
 from .replicas import Replica, ReplicaSet
+from .supervisor import Supervisor
 from .request_state import Ended, RequestState
 
 log = logging.getLogger("mii_async.router")
-HEALTH_PERIOD_S = 0.2
-RESTART_BACKOFF_S = (0.0, 1.0, 5.0, 15.0, 30.0)   # before the n-th consecutive quick restart of a replica
 STATS_TIMEOUT_S = 10.0
 
 
@@ -81,13 +78,13 @@ class Router:
         self._tokens = itertools.count()
         self.live: dict[int, _Live] = {}
         self._by_client: dict[tuple[bytes, str], int] = {}
-        self._client_seen: dict[bytes, float] = {}
+        self.client_seen: dict[bytes, float] = {}
         self._stats_waiters: dict[int, tuple[asyncio.Future, set[int], dict[int, dict]]] = {}
-        self._restarts: dict[int, int] = {}
         self.queued_tokens = 0
         self.state = "starting"           # starting | ready | draining | stopped
         self.startup_errors: list[tuple[str, str]] = []    # (code, message) of replicas that failed to load
         self.counters = {"requests": 0, "rejected": 0, "overloaded": 0, "failed": 0, "replica_deaths": 0}
+        self.supervisor = Supervisor(self)
         self._tasks: list[asyncio.Task] = []
         self._stopped = asyncio.Event()
         self._shutdown_task: asyncio.Task | None = None
@@ -110,7 +107,7 @@ class Router:
         self.tokenizer = await loop.run_in_executor(self._pool, AutoTokenizer.from_pretrained, str(path))
         self._tasks = [asyncio.create_task(self._client_loop(), name="clients"),
                        asyncio.create_task(self._worker_loop(), name="workers"),
-                       asyncio.create_task(self._health_loop(), name="health")]
+                       asyncio.create_task(self.supervisor.run(), name="health")]
         for i in range(self.serve_cfg.replicas):
             self.replicas.start_local(i)
 
@@ -149,7 +146,7 @@ class Router:
         while self.live and time.monotonic() < self._drain_deadline:
             await asyncio.sleep(0.05)
         for live in list(self.live.values()):
-            await self._end(live, Ended("abort", "the deployment is shutting down"), tell_replica=True)
+            await self.end(live, Ended("abort", "the deployment is shutting down"), tell_replica=True)
         for rep in self.replicas.replicas.values():
             for w in rep.workers.values():
                 await self.workers_sock.send(w.name.encode(), P.Shutdown())
@@ -172,7 +169,7 @@ class Router:
     async def _client_loop(self) -> None:
         while True:
             peer, msg = await self.clients.recv()
-            self._client_seen[peer] = time.monotonic()
+            self.client_seen[peer] = time.monotonic()
             try:
                 await self._on_client(peer, msg)
             except Exception:  # noqa: BLE001 - never let one message stop the router
@@ -184,7 +181,7 @@ class Router:
         elif isinstance(msg, P.Abort):
             rid = self._by_client.get((peer, msg.req_id))
             if rid is not None:
-                await self._end(self.live[rid], Ended("abort"), tell_replica=True)
+                await self.end(self.live[rid], Ended("abort"), tell_replica=True)
         elif isinstance(msg, P.Query):
             asyncio.create_task(self._answer_query(peer, msg))
         elif isinstance(msg, P.Shutdown):
@@ -230,7 +227,7 @@ class Router:
             if self.queued_tokens + cost > self.serve_cfg.max_queued_tokens:
                 raise OverloadedError(f"overloaded: {self.queued_tokens} tokens queued, this request adds {cost} "
                                       f"(max_queued_tokens={self.serve_cfg.max_queued_tokens})")
-            cands = [Candidate(r.index, r.load) for r in self.replicas.ready()]
+            cands = [Candidate(r.index, self.replica_load(r)) for r in self.replicas.ready()]
             index = self.balancer.pick(cands, ids)
             if index is None:
                 raise UnavailableError("no replica is ready")
@@ -247,7 +244,6 @@ class Router:
         live.state = RequestState(self.tokenizer, text, ids, params)
         live.replica, live.cost = rep, cost
         rep.requests.add(live.rid)
-        rep.load += cost
         self.queued_tokens += cost
         await self.workers_sock.send(rep.leader, P.AddRequest(live.rid, ids, params.to_dict()))
 
@@ -269,12 +265,22 @@ class Router:
             return
         await self.clients.send(peer, P.QueryReply(msg.req_id, result))
 
+    def replica_load(self, rep: Replica) -> int:
+        """Outstanding tokens: what the replica's live requests may still cost it (prompt + max_new_tokens,
+        less what they generated)."""
+        total = 0
+        for rid in rep.requests:
+            live = self.live.get(rid)
+            if live is not None and live.state is not None:
+                total += live.cost - len(live.state.output_ids)
+        return total
+
     def health(self) -> dict:
         ready = self.replicas.ready()
         state = self.state if self.state != "ready" or ready else "unavailable"
         return {"state": state, "protocol_version": P.PROTOCOL_VERSION, "model": str(getattr(self, "model_path", "")),
                 "address": self.address, "worker_address": self.worker_address,
-                "replicas": [r.describe() for r in sorted(self.replicas.replicas.values(), key=lambda r: r.index)],
+                "replicas": [r.describe(self.replica_load(r)) for r in sorted(self.replicas.replicas.values(), key=lambda r: r.index)],
                 "live_requests": len(self.live), "queued_tokens": self.queued_tokens,
                 "bad_frames": self.clients.bad_frames + self.workers_sock.bad_frames, **self.counters}
 
@@ -322,7 +328,7 @@ class Router:
             live = self.live.get(msg.req_id)
             if live is not None and self._from_replica(peer, live):
                 self.counters["failed"] += 1
-                await self._end(live, Ended("error", msg.message), tell_replica=False)
+                await self.end(live, Ended("error", msg.message), tell_replica=False)
         elif isinstance(msg, P.StatsReport):
             waiter = self._stats_waiters.get(msg.token)
             if waiter is not None:
@@ -350,7 +356,7 @@ class Router:
             if found is not None:
                 found[0].load_failed = True
                 self.startup_errors.append((msg.code, msg.message))
-                await self._replica_died(found[0], f"could not load the model: {msg.message}")
+                await self.supervisor.replica_died(found[0], f"could not load the model: {msg.message}")
         elif isinstance(msg, P.ProtocolError):
             log.warning("bad frame from worker %r: %s", peer, msg)
         else:
@@ -391,7 +397,7 @@ class Router:
             chunk.usage.to_dict() if chunk.usage is not None else None, chunk.error,
             list(live.state.prompt_ids) if first else None))
 
-    async def _end(self, live: _Live, ev: Ended, tell_replica: bool) -> None:
+    async def end(self, live: _Live, ev: Ended, tell_replica: bool) -> None:
         """Ends a live request with an abort or an error, telling the client (and the replica)."""
         self._forget(live)
         if live.state is None:                      # still tokenizing: _admit will see it gone
@@ -412,63 +418,7 @@ class Router:
         self._by_client.pop((live.peer, live.creq), None)
         if live.replica is not None:
             live.replica.requests.discard(live.rid)
-            live.replica.load -= live.cost
             self.queued_tokens -= live.cost
-
-    # -- health --------------------------------------------------------------------------------------
-    async def _health_loop(self) -> None:
-        s = self.serve_cfg
-        while True:
-            await asyncio.sleep(HEALTH_PERIOD_S)
-            now = time.monotonic()
-            for rep, reason in self.replicas.find_dead(now, s.heartbeat_timeout_s, s.startup_timeout_s):
-                await self._replica_died(rep, reason)
-            self._update_loads()
-            await self._expire_clients(now)
-
-    def _update_loads(self) -> None:
-        """Load = outstanding tokens: what each live request may still cost its replica."""
-        for rep in self.replicas.ready():
-            rep.load = sum(self.live[r].cost - len(self.live[r].state.output_ids)
-                           for r in rep.requests if r in self.live and self.live[r].state is not None)
-
-    async def _replica_died(self, rep: Replica, reason: str) -> None:
-        if rep.state in ("dead", "stopping"):
-            return
-        was_ready = rep.state == "ready"
-        self.counters["replica_deaths"] += 1
-        log.error("replica %d died: %s; failing its %d request(s)", rep.index, reason, len(rep.requests))
-        self.replicas.mark_dead(rep, reason)
-        for rid in list(rep.requests):
-            live = self.live.get(rid)
-            if live is not None:
-                self.counters["failed"] += 1
-                await self._end(live, Ended("error", f"replica {rep.index} failed: {reason}"), tell_replica=False)
-        loop = asyncio.get_running_loop()
-        for child in rep.children.values():
-            loop.run_in_executor(None, child.stop, 5.0)           # reap the processes, off the loop
-        if rep.local and not rep.load_failed and self.serve_cfg.restart_replicas and self.state in ("ready", "starting"):
-            quick = was_ready and rep.ready_at is not None and time.monotonic() - rep.ready_at < 60
-            n = self._restarts[rep.index] = self._restarts.get(rep.index, 0) + 1 if quick or not was_ready else 1
-            delay = RESTART_BACKOFF_S[min(n - 1, len(RESTART_BACKOFF_S) - 1)]
-            log.info("replica %d: starting a replacement in %.0f s", rep.index, delay)
-            loop.call_later(delay, self._restart, rep.index)
-
-    def _restart(self, index: int) -> None:
-        if self.state in ("ready", "starting") and self.replicas.replicas[index].state == "dead":
-            self.replicas.start_local(index)
-
-    async def _expire_clients(self, now: float) -> None:
-        timeout = self.serve_cfg.client_timeout_s
-        gone = {p for p, seen in self._client_seen.items() if now - seen > timeout}
-        if not gone:
-            return
-        for live in [x for x in self.live.values() if x.peer in gone]:
-            log.warning("client %r silent for %.0f s: aborting its request %s", live.peer, timeout, live.creq)
-            await self._end(live, Ended("abort", "client timed out"), tell_replica=True)
-        for p in gone:
-            del self._client_seen[p]
-
 
 class _StartupError(Exception):
     def __init__(self, code: str, message: str) -> None:
