@@ -35,13 +35,8 @@ def serve(model: str | None = None, *, replicas: int = 1, tensor_parallel: int =
     from .async_client import AsyncClient
     from .config import split_serve_kwargs
     from .deployment import RouterProcess
-    from .errors import InvalidParameterError
-
     serve_cfg, engine_cfg = split_serve_kwargs(model, dict(replicas=replicas, tensor_parallel=tensor_parallel,
                                                            host=host, port=port, **kwargs))
-    if serve_cfg.tensor_parallel != 1:
-        raise InvalidParameterError("tensor_parallel", "tensor parallelism is not in this release yet; "
-                                    "use replicas to serve on several workers")
     proc = RouterProcess(serve_cfg, engine_cfg)
     return AsyncClient(proc.address, curve_dir=serve_cfg.curve_dir, _process=proc)
 

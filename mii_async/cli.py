@@ -73,7 +73,6 @@ def _serve(a: argparse.Namespace) -> int:
     import logging
 
     from .config import split_serve_kwargs
-    from .errors import InvalidParameterError
     from .router.main import run_router, run_uvloop
 
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
@@ -82,8 +81,6 @@ def _serve(a: argparse.Namespace) -> int:
         worker_port=a.worker_port, max_queued_requests=a.max_queued_requests, drain_timeout_s=a.drain_timeout,
         curve_dir=a.curve_dir, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
         **({"kv_cache_memory": a.kv_cache_memory} if a.kv_cache_memory is not None else {})))
-    if serve.tensor_parallel != 1:
-        raise InvalidParameterError("tensor_parallel", "tensor parallelism is not in this release yet; use --replicas")
 
     def on_ready(status: dict) -> None:
         if "error" not in status:

@@ -34,7 +34,7 @@ class RouterProcess:
             os.close(status_r)
         if "error" in status:
             self.child.stop(10.0)
-            raise error_from_code(status.get("code", "unavailable"), status["error"])
+            raise error_from_code(status.get("code", "unavailable"), status["error"], status.get("param"))
         self.status = status
         self.address: str = status["address"].replace("tcp://0.0.0.0:", "tcp://127.0.0.1:")
         self.pid = self.child.pid

@@ -102,6 +102,7 @@ class Assign:
     config: dict                                   # EngineConfig.to_dict()
     heartbeat_s: float                             # the worker's heartbeat period
     heartbeat_timeout_s: float                     # the router is gone when it has not answered this long
+    dist_init: str = ""                            # torch.distributed rendezvous of the replica's TP group
 
 
 @dataclass

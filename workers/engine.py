@@ -5,6 +5,7 @@ is pure and may be called from any thread, before a request is handed over.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -21,6 +22,7 @@ from . import kv_cache
 from .block_manager import BlockManager
 from .loader import WeightReader, load_spec
 from .models.llama import LlamaModel
+from .parallel import TPGroup
 from .runner import Runner
 from .sampler import Sampler, TokenLogprobs
 from .scheduler import Scheduler
@@ -38,7 +40,9 @@ class EngineOutput(NamedTuple):
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, model_path: Path | None = None) -> None:
+    def __init__(self, config: EngineConfig, model_path: Path | None = None, tp: TPGroup | None = None) -> None:
+        """With `tp`, this process is one rank of a tensor-parallel replica: it holds its shard of the weights
+        and of the KV pool; rank 0 runs the loop (`step`), the others `follow()`."""
         mc = config.model
         self.config = config
         self.model_path = model_path or resolve_model(mc.model, mc.cache_dir)
@@ -52,13 +56,15 @@ class Engine:
             limit = min(limit, spec.sliding_window)  # dense attention is exact only inside the window
         self.max_model_len = min(mc.max_model_len or limit, limit)
         t0 = time.perf_counter()
+        self.tp = tp
         self.model = LlamaModel.load(spec, WeightReader(self.model_path), self.dtype, self.device,
-                                     self.max_model_len, get_ops("reference"))
+                                     self.max_model_len, get_ops("reference"), tp)
+        kv_spec = dataclasses.replace(spec, num_kv_heads=self.model.num_kv_heads)   # this rank's KV heads
         self.load_seconds = time.perf_counter() - t0
         cc = config.cache
-        per_block = kv_cache.bytes_per_block(spec, cc.block_size, self.dtype)
+        per_block = kv_cache.bytes_per_block(kv_spec, cc.block_size, self.dtype)
         self.num_blocks = cc.num_blocks or max(1, int(cc.kv_cache_memory * 2**30 // per_block))
-        self.kv = kv_cache.allocate(spec, self.num_blocks, cc.block_size, self.dtype, self.device)
+        self.kv = kv_cache.allocate(kv_spec, self.num_blocks, cc.block_size, self.dtype, self.device)
         self.block_manager = BlockManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.runner = Runner(self.model, self.kv, cc.block_size, self.device)
@@ -104,6 +110,8 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan:
             return []
+        if self.tp is not None:
+            self.tp.send_plan(plan)
         logits = self.runner.execute(plan)
         for s in plan.seqs:
             self.scheduler.commit(self.seqs[s.req_id], len(s.token_ids))
@@ -118,6 +126,16 @@ class Engine:
             outputs.append(EngineOutput(seq.req_id, tok, lp, reason, seq.num_cached_prompt_tokens))
         self.num_steps += 1
         return outputs
+
+    def follow(self) -> None:
+        """Ranks > 0: run every plan rank 0 sends, until it says stop."""
+        assert self.tp is not None and self.tp.rank > 0, "follow() is for the other ranks of a TP group"
+        while (plan := self.tp.recv_plan()) is not None:
+            self.runner.execute(plan)
+
+    def stop_followers(self) -> None:
+        if self.tp is not None and self.tp.rank == 0:
+            self.tp.send_plan(None)
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params

@@ -108,5 +108,13 @@ class WeightReader:
             raise ModelNotFoundError(f"weight {name!r} is missing from the checkpoint")
         return self._handles[self._map[name]].get_tensor(name)
 
+    def get_slice(self, name: str, dim: int, start: int, end: int) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) [start, end) of a weight, read alone from the memory-mapped file:
+        a tensor-parallel rank never materialises the whole tensor."""
+        if name not in self._map:
+            raise ModelNotFoundError(f"weight {name!r} is missing from the checkpoint")
+        sl = self._handles[self._map[name]].get_slice(name)
+        return sl[start:end] if dim == 0 else sl[:, start:end]
+
     def names(self) -> Iterator[str]:
         return iter(self._map)

@@ -60,10 +60,16 @@ class Worker:
             hb = threading.Thread(target=self._heartbeats, args=(assign,), name="mii_async-heartbeat", daemon=True)
             hb.start()
             try:
-                self._loop()
+                if self.rank == 0:
+                    self._loop()
+                    self.engine.stop_followers()
+                else:
+                    self.engine.follow()      # until rank 0 stops; if rank 0 dies, the router cuts our lifeline
             finally:
                 self._stop.set()
                 hb.join(timeout=assign.heartbeat_s + 1.0)
+                if self.engine.tp is not None:
+                    self.engine.tp.close()
             return 0
         finally:
             self.sock.close()
@@ -90,7 +96,16 @@ class Worker:
             from .engine import Engine
 
             config = _pick_device(config, assign.device_index)
-            self.engine = Engine(config)
+            tp = None
+            if assign.tensor_parallel > 1:
+                import torch
+
+                from .parallel import TPGroup
+
+                dev = config.model.device if config.model.device != "auto" else (
+                    "cuda" if torch.cuda.is_available() else "cpu")
+                tp = TPGroup(self.rank, assign.tensor_parallel, assign.dist_init, torch.device(dev))
+            self.engine = Engine(config, tp=tp)
         except Exception as exc:  # noqa: BLE001 - any load failure is reported to the router, then we exit
             log.exception("replica %d rank %d failed to load the model", self.replica, self.rank)
             self.sock.send(P.LoadFailed(self.replica, error_code(exc), f"{type(exc).__name__}: {exc}"))

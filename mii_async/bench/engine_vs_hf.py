@@ -5,7 +5,10 @@ one request's work into another's) and each generates exactly `--new-tokens` gre
 ours with all N requests streamed at once; HF one request at a time; HF with all N left-padded into one batch.
 Rates are output tokens per second of wall time, model load and one warm-up each excluded.
 
-    python -m mii_async.bench.engine_vs_hf [--requests 32] [--new-tokens 64] [--json results.json]
+    python -m mii_async.bench.engine_vs_hf [--requests 32] [--new-tokens 64] [--mesh] [--json results.json]
+
+`--mesh` also streams the same prompts through `serve()` (router and worker processes over ZeroMQ), to show
+what the mesh costs over the in-process engine.
 """
 from __future__ import annotations
 
@@ -124,6 +127,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-batch-tokens", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--mesh", action="store_true",
+                    help="also run the same workload through serve(): a router process and one worker process")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the results here")
     a = ap.parse_args(argv)
     from transformers import AutoModelForCausalLM, __version__ as hf_version
@@ -146,6 +151,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         pipe.close()   # frees the engine's threads and KV pool before HF runs on the same cores
 
+    mesh = mesh_latency = None
+    if a.mesh:
+        client = mii_async.serve(a.model, device=str(device), dtype=dtype_name, **opts)
+        try:
+            client(warm, max_new_tokens=4, ignore_eos=True)
+            mesh, mesh_latency, mesh_ids = run_ours(client, prompts, a.new_tokens)
+            mesh = mesh._replace(system="mii_async via router + worker process")
+            assert mesh_ids == our_ids, "the mesh changed greedy outputs"
+        finally:
+            client.terminate_server_sync(drain_s=0)
+
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=getattr(torch, dtype_name)).to(device).eval()
     eos = tok.eos_token_id
     gen = dict(do_sample=False, min_new_tokens=a.new_tokens, max_new_tokens=a.new_tokens, pad_token_id=eos,
@@ -154,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     seq, hf_ids = run_hf_sequential(model, prompts[:a.hf_sequential_requests or a.requests], gen)
     batched = run_hf_batched(model, prompts, gen)
 
-    rows = [ours, seq, batched]
+    rows = [ours] + ([mesh] if mesh else []) + [seq, batched]
     print("| system | requests | output tokens | seconds | tok/s | ours ÷ this |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -163,12 +179,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"\nours: TTFT p50 {latency['ttft_p50_s'] * 1e3:.0f} ms, max {latency['ttft_max_s'] * 1e3:.0f} ms; "
           f"ITL p50 {latency['itl_p50_s'] * 1e3:.1f} ms, p90 {latency['itl_p90_s'] * 1e3:.1f} ms; "
           f"{stats['workload_steps']} engine steps, {stats['preemptions']} preemptions")
+    if mesh_latency:
+        print(f"mesh: TTFT p50 {mesh_latency['ttft_p50_s'] * 1e3:.0f} ms, max {mesh_latency['ttft_max_s'] * 1e3:.0f} ms; "
+              f"ITL p50 {mesh_latency['itl_p50_s'] * 1e3:.1f} ms, p90 {mesh_latency['itl_p90_s'] * 1e3:.1f} ms; "
+              "greedy outputs identical to the in-process engine")
     same = sum(o == h for o, h in zip(our_ids, hf_ids))   # greedy, same precision: mostly equal, not asserted
     print(f"greedy outputs identical to HF one-at-a-time: {same}/{len(hf_ids)}")
     machine = {"cpu_count": os.cpu_count(), "torch": torch.__version__, "transformers": hf_version,
                "torch_threads": torch.get_num_threads(), "device": str(device), "dtype": dtype_name}
     print("machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()))
     results = {"config": vars(a), "machine": machine, "engine_stats": stats, "latency": latency,
+               "mesh_latency": mesh_latency,
                "identical_outputs": [same, len(hf_ids)],
                "results": [{**r._asdict(), "tok_s": r.tok_s} for r in rows],
                "ratio_vs_hf_sequential": ours.tok_s / seq.tok_s, "ratio_vs_hf_batched": ours.tok_s / batched.tok_s}

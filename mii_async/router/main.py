@@ -53,7 +53,7 @@ async def run_router(serve: ServeConfig, engine: EngineConfig, on_ready: Callabl
         return 1
     except Exception as exc:  # noqa: BLE001 - report any startup failure (a missing model, a bad port)
         log.exception("the router could not start")
-        on_ready({"error": f"{exc}", "code": error_code(exc)})
+        on_ready({"error": f"{exc}", "code": error_code(exc), "param": getattr(exc, "param", None)})
         await router.shutdown(0.0)
         return 1
     on_ready({"address": router.address, "worker_address": router.worker_address, "pid": os.getpid(),

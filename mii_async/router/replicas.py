@@ -46,6 +46,7 @@ class Replica:
     stats: dict = field(default_factory=dict)                       # latest engine counters
     error: str | None = None       # why it died
     load_failed: bool = False      # it could not load the model: never restarted
+    dist_init: str = ""            # where its tensor-parallel ranks rendezvous (torch.distributed)
 
     @property
     def leader(self) -> bytes | None:
@@ -65,6 +66,14 @@ class Replica:
                 "device": self.workers[0].info.get("device") if 0 in self.workers else None}
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class ReplicaSet:
     def __init__(self, tensor_parallel: int, worker_address: str, curve_dir: str | None) -> None:
         self.tensor_parallel = tensor_parallel
@@ -78,6 +87,8 @@ class ReplicaSet:
     def start_local(self, index: int) -> Replica:
         gen = self._generations[index] = self._generations.get(index, -1) + 1
         rep = Replica(index, gen, self.tensor_parallel, local=True)
+        if self.tensor_parallel > 1:
+            rep.dist_init = f"tcp://127.0.0.1:{_free_port()}"
         for rank in range(self.tensor_parallel):
             argv = [sys.executable, "-m", "mii_async.workers.main", "--router", self.worker_address,
                     "--replica", str(index), "--rank", str(rank)]

@@ -101,6 +101,8 @@ class Router:
         mc = self.engine_cfg.model
         path = await loop.run_in_executor(self._pool, resolve_model, mc.model, mc.cache_dir)
         self.model_path = path
+        if self.serve_cfg.tensor_parallel > 1:
+            _check_tensor_parallel(path, self.serve_cfg.tensor_parallel)
         # Two instances: encoding runs on the pool thread, decoding on the loop, and a fast tokenizer must
         # not be used by two threads at once.
         self.encoder = PromptEncoder(await loop.run_in_executor(self._pool, AutoTokenizer.from_pretrained, str(path)))
@@ -345,7 +347,8 @@ class Router:
             s = self.serve_cfg
             await self.workers_sock.send(peer, P.Assign(rep.index, msg.rank, rep.tensor_parallel,
                                                         rep.index * rep.tensor_parallel + msg.rank,
-                                                        self.engine_cfg.to_dict(), s.heartbeat_s, s.heartbeat_timeout_s))
+                                                        self.engine_cfg.to_dict(), s.heartbeat_s, s.heartbeat_timeout_s,
+                                                        rep.dist_init))
         elif isinstance(msg, P.Ready):
             rep = self.replicas.on_ready(peer.decode(errors="replace"), msg.info)
             if rep is not None:
@@ -419,6 +422,17 @@ class Router:
         if live.replica is not None:
             live.replica.requests.discard(live.rid)
             self.queued_tokens -= live.cost
+
+def _check_tensor_parallel(path: Any, world: int) -> None:
+    """Refuses, naming the head counts, a tensor_parallel that the model's shapes do not allow."""
+    import json
+
+    from ..workers.shard_plan import shard_plan
+
+    cfg = json.loads((path / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    shard_plan(heads, cfg.get("num_key_value_heads") or heads, cfg["intermediate_size"], cfg["vocab_size"], 0, world)
+
 
 class _StartupError(Exception):
     def __init__(self, code: str, message: str) -> None:

@@ -110,3 +110,61 @@ def test_parent_death_stops_the_deployment(default_model_dir, tmp_path):
         assert not wait_gone(pids, timeout_s=15), "orphans after the parent died"
     finally:
         proc.kill()
+
+
+def _with_tokenizer(model_dir, default_model_dir, tmp_path):
+    """A copy of a tiny random model with the default model's tokenizer (its ids < 320 decode fine)."""
+    import shutil
+
+    out = tmp_path / "tiny-with-tokenizer"
+    shutil.copytree(model_dir, out)
+    for f in default_model_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def test_tensor_parallel_replicas_and_rank_death(tiny_model, default_model_dir, tmp_path):
+    """serve(replicas=2, tensor_parallel=2) streams what the in-process engine gives; kill -9 of a non-leader
+    rank fails its replica's requests within 5 s and the replica is replaced; every process exits."""
+    path = _with_tokenizer(tiny_model("llama"), default_model_dir, tmp_path)
+    prompts = [[1, 5, 9, 33, 70, 12, 8], [1, 200, 3, 4], [1, 17, 17, 250, 31, 99]]
+    with mii_async.pipeline(str(path), num_blocks=64) as pipe:
+        want = [r.token_ids for r in pipe(prompts, max_new_tokens=16, ignore_eos=True)]
+    client = mii_async.serve(str(path), replicas=2, tensor_parallel=2, num_blocks=64)
+    all_pids = {client._process.pid}
+    try:
+        async def main():
+            h = await client.health()
+            all_pids.update(deployment_pids(h))
+            assert [len(r["pids"]) for r in h["replicas"]] == [2, 2]
+            got = await client.generate(prompts, max_new_tokens=16, ignore_eos=True)
+            assert [r.token_ids for r in got] == want
+            tasks = [asyncio.create_task(_collect(client, [1, 2, 3, i + 4], max_new_tokens=900, ignore_eos=True))
+                     for i in range(4)]
+            h = await until(lambda: _spread(client), 30, "requests on both replicas")
+            victim = h["replicas"][0]["pids"][1]                  # rank 1 of replica 0
+            os.kill(victim, signal.SIGKILL)
+            killed_at = time.monotonic()
+            done, pending = await asyncio.wait(tasks, timeout=5.0)
+            assert len(done) == 2
+            for t in done:
+                chunks, at = t.result()
+                assert chunks[-1].finish_reason == "error" and at - killed_at < 5.0
+            for t in pending:
+                t.cancel()
+            h = await until(lambda: _replaced(client), 120, "the replacement replica")
+            all_pids.update(deployment_pids(h))
+            got = await client.generate(prompts, max_new_tokens=16, ignore_eos=True)
+            assert [r.token_ids for r in got] == want
+        asyncio.run(main())
+    finally:
+        client.terminate_server_sync(drain_s=0)
+    assert not wait_gone(sorted(all_pids)), "processes left behind"
+
+
+def test_impossible_tensor_parallel_is_refused(default_model_dir):
+    """A tensor_parallel the model's heads do not allow fails serve() at once, naming the heads."""
+    with pytest.raises(mii_async.InvalidParameterError, match="9 attention heads") as e:
+        mii_async.serve(str(default_model_dir), tensor_parallel=2)
+    assert e.value.param == "tensor_parallel"

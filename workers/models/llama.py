@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,7 @@ from tqdm.auto import tqdm
 from mii_async.kernels.metadata import AttentionMetadata
 
 from ..loader import ModelSpec, WeightReader
+from ..parallel import ShardPlan, TPGroup, shard_plan
 from .rope import cos_sin_cache, inv_frequencies
 
 
@@ -41,38 +43,62 @@ class LlamaModel:
         self.cos_sin = cos_sin        # [max_pos, D] fp32
         self.ops = ops
         self.scale = spec.head_dim ** -0.5
+        self.num_heads, self.num_kv_heads = spec.num_heads, spec.num_kv_heads   # this rank's, under TP
+        self.tp: TPGroup | None = None
+        self.shard: ShardPlan | None = None
 
     @classmethod
     def load(cls, spec: ModelSpec, reader: WeightReader, dtype: torch.dtype, device: torch.device,
-             max_positions: int, ops: ModuleType) -> LlamaModel:
-        def get(name: str) -> torch.Tensor:
-            return reader.get(name).to(device=device, dtype=dtype)
+             max_positions: int, ops: ModuleType, tp: TPGroup | None = None) -> LlamaModel:
+        """Loads the model, or with `tp` this rank's shard of it (reading only its slices from the files)."""
+        shard = shard_plan(spec.num_heads, spec.num_kv_heads, spec.intermediate_size, spec.vocab_size,
+                           tp.rank, tp.world) if tp is not None else None
+        d = spec.head_dim
 
-        def opt(name: str) -> torch.Tensor | None:
-            return get(name) if name in reader else None
+        def put(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=dtype)
+
+        def get(name: str, dim: int | None = None, span: tuple[int, int] | None = None, scale: int = 1) -> torch.Tensor:
+            if shard is None or dim is None or span is None:
+                return put(reader.get(name))
+            return put(reader.get_slice(name, dim, span[0] * scale, span[1] * scale))
+
+        def opt(name: str, *args: Any) -> torch.Tensor | None:
+            return get(name, *args) if name in reader else None
 
         def cat(*ts: torch.Tensor | None) -> torch.Tensor | None:
             return None if any(t is None for t in ts) else torch.cat(ts, 0)  # type: ignore[arg-type]
 
+        q, kv, ffn = (shard.q_heads, shard.kv_heads, shard.ffn) if shard else (None, None, None)
         layers = []
         for i in tqdm(range(spec.num_layers), desc="mii_async: loading layers", unit="layer", leave=False):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
+            o_bias = opt(a + "o_proj.bias") if shard is None or shard.rank == 0 else None   # added once
             layers.append(LayerWeights(
                 input_norm=get(p + "input_layernorm.weight"),
-                qkv=torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")], 0),
-                qkv_bias=cat(opt(a + "q_proj.bias"), opt(a + "k_proj.bias"), opt(a + "v_proj.bias")),
-                o=get(a + "o_proj.weight"),
-                o_bias=opt(a + "o_proj.bias"),
+                qkv=torch.cat([get(a + "q_proj.weight", 0, q, d), get(a + "k_proj.weight", 0, kv, d),
+                               get(a + "v_proj.weight", 0, kv, d)], 0),
+                qkv_bias=cat(opt(a + "q_proj.bias", 0, q, d), opt(a + "k_proj.bias", 0, kv, d),
+                             opt(a + "v_proj.bias", 0, kv, d)),
+                o=get(a + "o_proj.weight", 1, q, d),
+                o_bias=o_bias,
                 post_norm=get(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")], 0),
-                down=get(m + "down_proj.weight"),
+                gate_up=torch.cat([get(m + "gate_proj.weight", 0, ffn), get(m + "up_proj.weight", 0, ffn)], 0),
+                down=get(m + "down_proj.weight", 1, ffn),
             ))
-        embed = get("model.embed_tokens.weight")
-        lm_head = embed if spec.tie_word_embeddings or "lm_head.weight" not in reader else get("lm_head.weight")
+        vocab = shard.vocab if shard else None
+        embed = get("model.embed_tokens.weight", 0, vocab)
+        tied = spec.tie_word_embeddings or "lm_head.weight" not in reader
+        lm_head = embed if tied else get("lm_head.weight", 0, vocab)
+        if shard is not None and lm_head.shape[0] < shard.vocab_per_rank:   # the last rank's rows, padded
+            lm_head = torch.cat([lm_head, lm_head.new_zeros(shard.vocab_per_rank - lm_head.shape[0], lm_head.shape[1])])
         inv = inv_frequencies(spec.head_dim, spec.rope_theta, spec.rope_scaling)
-        return cls(spec, layers, embed, get("model.norm.weight"), lm_head,
-                   cos_sin_cache(inv, max_positions, device), ops)
+        model = cls(spec, layers, embed, get("model.norm.weight"), lm_head, cos_sin_cache(inv, max_positions, device), ops)
+        model.tp, model.shard = tp, shard
+        if shard is not None:
+            model.num_heads, model.num_kv_heads = shard.num_q_heads, shard.num_kv_heads
+        return model
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -80,8 +106,9 @@ class LlamaModel:
         """input_ids, positions [T] → logits [len(sample_rows), V] fp32."""
         ops, spec = self.ops, self.spec
         t = input_ids.shape[0]
-        hq, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        h = self.embed[input_ids]                                            # [T, H]
+        hq, hkv, d = self.num_heads, self.num_kv_heads, spec.head_dim
+        tp = self.tp
+        h = self._embed(input_ids)                                           # [T, H]
         residual: torch.Tensor | None = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             if residual is None:
@@ -94,7 +121,24 @@ class LlamaModel:
             ops.write_kv(k, v.view(t, hkv, d), k_cache, v_cache, meta.slot_mapping)
             attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
             h = F.linear(attn.reshape(t, hq * d), layer.o, layer.o_bias)
+            if tp is not None:
+                tp.all_reduce(h)                                             # row-parallel o_proj
             x, residual = ops.fused_add_rms_norm(h, residual, layer.post_norm, spec.rms_norm_eps)
             h = F.linear(ops.silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
+            if tp is not None:
+                tp.all_reduce(h)                                             # row-parallel down
         h, _ = ops.fused_add_rms_norm(h[sample_rows], residual[sample_rows], self.norm, spec.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()                             # [S, V]
+        logits = F.linear(h, self.lm_head)                                   # [S, V] (or [S, ceil(V/T)])
+        if tp is not None:
+            logits = tp.all_gather_last(logits)[:, :spec.vocab_size]         # vocab-parallel lm_head
+        return logits.float()
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.shard is None:
+            return self.embed[input_ids]
+        lo, hi = self.shard.vocab                                            # vocab-parallel: mask, then sum
+        local = input_ids - lo
+        inside = (local >= 0) & (local < hi - lo)
+        h = self.embed[local.clamp(0, hi - lo - 1)] * inside.unsqueeze(-1).to(self.embed.dtype)
+        assert self.tp is not None
+        return self.tp.all_reduce(h)
