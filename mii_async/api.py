@@ -21,13 +21,14 @@ def pipeline(model: str | None = None, **kwargs: Any) -> Pipeline:
     return Pipeline(EngineConfig.from_kwargs(model, **kwargs))
 
 
-def serve(model: str | None = None, *, replicas: int = 1, tensor_parallel: int = 1, host: str = "127.0.0.1",
+def serve(model: str | None = None, *, replicas: int = 1, tensor_parallel: int | str = "auto", host: str = "127.0.0.1",
           port: int = 0, **kwargs: Any) -> AsyncClient:
     """Starts a deployment — a router process and `replicas` × `tensor_parallel` worker processes — and
     returns an AsyncClient connected to it. Blocks until every replica is ready (or raises why it could not
     start: ModelNotFoundError, InvalidParameterError, …).
 
-    `port=0` takes a free port (`client.address` says which). Other keywords are deployment options
+    `tensor_parallel="auto"` is 1 on CPU and, on GPUs, the smallest degree whose weight shard leaves room for a
+    KV pool (the router logs its choice). `port=0` takes a free port (`client.address` says which). Other keywords are deployment options
     (worker_host, worker_port, max_queued_requests, max_queued_tokens, heartbeat_s, heartbeat_timeout_s,
     client_timeout_s, drain_timeout_s, startup_timeout_s, restart_replicas, curve_dir) or engine options as
     for `pipeline()`. The processes stop on `await client.terminate_server()`, or when this process exits.

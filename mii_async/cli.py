@@ -106,11 +106,15 @@ def _keys(a: argparse.Namespace) -> int:
     return 0
 
 
+def _tp_arg(v: str) -> int | str:
+    return v if v == "auto" else int(v)
+
+
 def _serve_parser(sub: Any) -> None:
     s = sub.add_parser("serve", help="run a deployment: the router and its worker processes")
     s.add_argument("model", nargs="?", default=None, help="as for generate (default: SmolLM2-135M-Instruct)")
     s.add_argument("--replicas", type=int, default=1, help="replicas to start here (0: wait for workers that join)")
-    s.add_argument("--tensor-parallel", type=int, default=1)
+    s.add_argument("--tensor-parallel", type=_tp_arg, default="auto", help="ranks per replica, or auto (default)")
     s.add_argument("--host", default="127.0.0.1", help="the clients' address (default: loopback only)")
     s.add_argument("--port", type=int, default=5555, help="the clients' port (0: any free one)")
     s.add_argument("--worker-host", default="127.0.0.1", help="the workers' address (a routable one lets hosts join)")

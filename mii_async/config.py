@@ -100,7 +100,7 @@ class EngineConfig:
 class ServeConfig:
     """A deployment: how many replicas, where the router listens, its limits and its health timings."""
     replicas: int = 1                  # replicas the router starts itself (0: only workers that join)
-    tensor_parallel: int = 1           # worker processes per replica
+    tensor_parallel: int | str = "auto"   # worker processes per replica; auto: 1 on CPU, the smallest that fits on GPU
     host: str = "127.0.0.1"            # the clients' socket (loopback unless told otherwise)
     port: int = 0                      # 0: any free port
     worker_host: str = "127.0.0.1"     # the workers' socket; a routable address lets other hosts join
@@ -118,7 +118,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 0:
             raise InvalidParameterError("replicas", f"must be a non-negative integer, got {self.replicas!r}")
-        _pos_int(self, "tensor_parallel")
+        if self.tensor_parallel != "auto":
+            _pos_int(self, "tensor_parallel")
         for name in ("port", "worker_port"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 65536:

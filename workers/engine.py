@@ -154,4 +154,11 @@ class Engine:
             "running": sum(1 for s in self.seqs.values() if s.status is Status.RUNNING),
             "waiting": sum(1 for s in self.seqs.values() if s.status is Status.WAITING),
             "preemptions": self.scheduler.num_preemptions, "steps": self.num_steps,
+            **self._tp_stats(),
         }
+
+    def _tp_stats(self) -> dict[str, int]:
+        tp = self.tp
+        if tp is None or tp.rank != 0:
+            return {}
+        return {"tp_plan_broadcast_us_per_step": int(1e6 * tp.plan_seconds / max(1, tp.plans_sent))}

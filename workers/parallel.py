@@ -14,6 +14,7 @@ gloo on CPU (tests), NCCL on GPU. The group is the replica's T worker processes,
 from __future__ import annotations
 
 import datetime
+import time
 import msgpack
 import torch
 import torch.distributed as dist
@@ -31,6 +32,8 @@ class TPGroup:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         self._len = torch.zeros(1, dtype=torch.int64, device=device)
+        self.plan_seconds = 0.0          # rank 0: time spent broadcasting plans (reported in engine stats)
+        self.plans_sent = 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x)
@@ -46,11 +49,14 @@ class TPGroup:
     def send_plan(self, plan: StepPlan | None) -> None:
         """Rank 0: the plan every rank runs next; None tells the others to stop."""
         assert self.rank == 0, "only the leader sends plans"
+        t0 = time.perf_counter()
         payload = b"" if plan is None else _encode_plan(plan)
         self._len.fill_(len(payload) if plan is not None else -1)
         dist.broadcast(self._len, 0)
         if payload:
             dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device), 0)
+        self.plan_seconds += time.perf_counter() - t0
+        self.plans_sent += 1
 
     def recv_plan(self) -> StepPlan | None:
         dist.broadcast(self._len, 0)

@@ -115,7 +115,8 @@ class Worker:
         self.stats = eng.stats()
         info = {**eng.limits.to_dict(), "num_blocks": eng.num_blocks, "block_size": eng.config.cache.block_size,
                 "model": str(eng.model_path), "device": str(eng.device), "dtype": str(eng.dtype).removeprefix("torch."),
-                "load_seconds": round(eng.load_seconds, 3), "pid": os.getpid(), "worker": self.name}
+                "load_seconds": round(eng.load_seconds, 3), "pid": os.getpid(), "worker": self.name,
+                "peak_rss_mib": _peak_rss_mib(), "tensor_parallel": assign.tensor_parallel}
         self.sock.send(P.Ready(self.replica, self.rank, info))
         log.info("replica %d rank %d ready: %s on %s, %d KV blocks", self.replica, self.rank, eng.model_path.name,
                  eng.device, eng.num_blocks)
@@ -190,6 +191,13 @@ class Worker:
                     os._exit(3)
         finally:
             hb.close()
+
+
+def _peak_rss_mib() -> int:
+    """This process's peak resident memory so far (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
 
 
 def _pick_device(config: EngineConfig, device_index: int) -> EngineConfig:

@@ -63,7 +63,8 @@ class Replica:
                 "pids": [w.pid for w in self.workers.values()] or [c.pid for c in self.children.values()],
                 "hosts": sorted({w.host for w in self.workers.values()}), "requests": len(self.requests),
                 "load_tokens": load_tokens, "error": self.error,
-                "device": self.workers[0].info.get("device") if 0 in self.workers else None}
+                "device": self.workers[0].info.get("device") if 0 in self.workers else None,
+                "peak_rss_mib": [w.info.get("peak_rss_mib") for _, w in sorted(self.workers.items())]}
 
 
 def _free_port() -> int:

@@ -71,7 +71,8 @@ class Router:
         self.address = self.clients.address
         self.worker_address = self.workers_sock.address
         local = self.worker_address.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:")
-        self.replicas = ReplicaSet(serve.tensor_parallel, local, serve.curve_dir)
+        self.tensor_parallel = 1 if serve.tensor_parallel == "auto" else int(serve.tensor_parallel)   # set in start()
+        self.replicas = ReplicaSet(self.tensor_parallel, local, serve.curve_dir)
         self.balancer = Balancer(engine.cache.block_size)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mii_async-tokenize")
         self._rids = itertools.count()
@@ -101,8 +102,15 @@ class Router:
         mc = self.engine_cfg.model
         path = await loop.run_in_executor(self._pool, resolve_model, mc.model, mc.cache_dir)
         self.model_path = path
-        if self.serve_cfg.tensor_parallel > 1:
-            _check_tensor_parallel(path, self.serve_cfg.tensor_parallel)
+        world = self.serve_cfg.tensor_parallel
+        if world == "auto":
+            from .parallel_plan import plan_tensor_parallel
+
+            world, why = await loop.run_in_executor(self._pool, plan_tensor_parallel, path, mc.dtype, mc.device)
+            log.info("tensor parallel plan: %s", why)
+        elif world > 1:
+            _check_tensor_parallel(path, world)
+        self.replicas.tensor_parallel = self.tensor_parallel = int(world)
         # Two instances: encoding runs on the pool thread, decoding on the loop, and a fast tokenizer must
         # not be used by two threads at once.
         self.encoder = PromptEncoder(await loop.run_in_executor(self._pool, AutoTokenizer.from_pretrained, str(path)))
@@ -280,7 +288,7 @@ class Router:
     def health(self) -> dict:
         ready = self.replicas.ready()
         state = self.state if self.state != "ready" or ready else "unavailable"
-        return {"state": state, "protocol_version": P.PROTOCOL_VERSION, "model": str(getattr(self, "model_path", "")),
+        return {"state": state, "protocol_version": P.PROTOCOL_VERSION, "tensor_parallel": self.tensor_parallel, "model": str(getattr(self, "model_path", "")),
                 "address": self.address, "worker_address": self.worker_address,
                 "replicas": [r.describe(self.replica_load(r)) for r in sorted(self.replicas.replicas.values(), key=lambda r: r.index)],
                 "live_requests": len(self.live), "queued_tokens": self.queued_tokens,

@@ -13,7 +13,7 @@ import time
 import pytest
 
 import mii_async
-from tests.mesh_helpers import alive, deployment_pids, kv_idle, until, wait_gone
+from tests.mesh_helpers import alive, deployment_pids, kv_idle, until, wait_gone, with_word_tokenizer
 
 pytestmark = pytest.mark.slow
 LONG = dict(max_new_tokens=120, ignore_eos=True)
@@ -112,22 +112,10 @@ def test_parent_death_stops_the_deployment(default_model_dir, tmp_path):
         proc.kill()
 
 
-def _with_tokenizer(model_dir, default_model_dir, tmp_path):
-    """A copy of a tiny random model with the default model's tokenizer (its ids < 320 decode fine)."""
-    import shutil
-
-    out = tmp_path / "tiny-with-tokenizer"
-    shutil.copytree(model_dir, out)
-    for f in default_model_dir.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, out / f.name)
-    return out
-
-
-def test_tensor_parallel_replicas_and_rank_death(tiny_model, default_model_dir, tmp_path):
+def test_tensor_parallel_replicas_and_rank_death(tiny_model, tmp_path):
     """serve(replicas=2, tensor_parallel=2) streams what the in-process engine gives; kill -9 of a non-leader
     rank fails its replica's requests within 5 s and the replica is replaced; every process exits."""
-    path = _with_tokenizer(tiny_model("llama"), default_model_dir, tmp_path)
+    path = with_word_tokenizer(tiny_model("llama"), tmp_path / "tiny")
     prompts = [[1, 5, 9, 33, 70, 12, 8], [1, 200, 3, 4], [1, 17, 17, 250, 31, 99]]
     with mii_async.pipeline(str(path), num_blocks=64) as pipe:
         want = [r.token_ids for r in pipe(prompts, max_new_tokens=16, ignore_eos=True)]
