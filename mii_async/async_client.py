@@ -117,6 +117,7 @@ class _Connection:
                                    f"within {self.client.timeout_s:.0f} s") from None
 
     def close(self) -> None:
+        self.fail_all("the client was closed")
         for t in self.tasks:
             t.cancel()
         self.sock.close()
@@ -251,7 +252,7 @@ class AsyncClient:
         if self._process is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._process.wait, drain_s + 60.0)
             self._process.stop(10.0)
-        self.close()
+            self.close()                                # the deployment is gone; a remote one may not be
 
     def terminate_server_sync(self, drain_s: float = 10.0) -> None:
         """`terminate_server` for synchronous code."""

@@ -63,7 +63,11 @@ class Child:
         if code is None:
             return f"{self.name} (pid {self.pid}) is running"
         if code < 0:
-            return f"{self.name} (pid {self.pid}) was killed by {signal.Signals(-code).name}"
+            try:
+                sig = signal.Signals(-code).name
+            except ValueError:                        # a real-time signal has no name
+                sig = f"signal {-code}"
+            return f"{self.name} (pid {self.pid}) was killed by {sig}"
         return f"{self.name} (pid {self.pid}) exited with status {code}"
 
     def stop(self, timeout_s: float = 10.0) -> None:

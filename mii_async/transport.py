@@ -26,6 +26,10 @@ def _configure(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    # No high-water mark: past it libzmq drops frames to a ROUTER's peer silently (a lost final Delta is a
+    # stream that never ends). What is queued is bounded by admission control instead.
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
 
 
 def _curve_file(curve_dir: str, name: str) -> str:

@@ -48,5 +48,8 @@ def shard_plan(num_heads: int, num_kv_heads: int, intermediate: int, vocab: int,
         kv = (k, k + 1)
     fn = intermediate // world
     vn = -(-vocab // world)
+    if (world - 1) * vn >= vocab:
+        raise InvalidParameterError("tensor_parallel", f"{world} ranks would leave one without vocabulary rows "
+                                    f"(vocab_size {vocab})")
     return ShardPlan(rank, world, q, kv, (rank * fn, (rank + 1) * fn),
                      (min(vocab, rank * vn), min(vocab, (rank + 1) * vn)), vn)

@@ -161,6 +161,10 @@ class Worker:
             outputs = eng.step()
         except Exception as exc:  # noqa: BLE001 - fail the live requests, keep serving
             log.exception("engine step failed")
+            if eng.tp is not None:
+                # The other ranks may be inside this step's collectives: the group is out of step for good.
+                # Exit, and the router fails the replica's requests and replaces it.
+                os._exit(1)
             for req_id in list(eng.seqs):
                 eng.abort(req_id)
                 self.sock.send(P.RequestFailed(req_id, f"engine step failed: {type(exc).__name__}: {exc}"))

@@ -56,6 +56,10 @@ async def run_router(serve: ServeConfig, engine: EngineConfig, on_ready: Callabl
         on_ready({"error": f"{exc}", "code": error_code(exc), "param": getattr(exc, "param", None)})
         await router.shutdown(0.0)
         return 1
+    if router.state != "ready":                     # a signal or the parent's end came during startup
+        on_ready({"error": "the router was stopped while starting", "code": "unavailable"})
+        await router.serve_forever()
+        return 0
     on_ready({"address": router.address, "worker_address": router.worker_address, "pid": os.getpid(),
               "replicas": len(router.replicas.ready()), "model": str(router.model_path)})
     await router.serve_forever()

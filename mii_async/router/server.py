@@ -36,6 +36,9 @@ from .request_state import Ended, RequestState
 
 log = logging.getLogger("mii_async.router")
 STATS_TIMEOUT_S = 10.0
+# Load failures that a restart cannot fix (others, such as an out-of-memory while an old process's memory is
+# still being freed, get the supervisor's restart with backoff).
+PERMANENT_LOAD_ERRORS = ("invalid_parameter", "request_too_long", "model_not_found", "unsupported_model")
 
 
 class _TokenEvent(NamedTuple):      # what RequestState.on_event reads from a sampled token
@@ -115,6 +118,8 @@ class Router:
         # not be used by two threads at once.
         self.encoder = PromptEncoder(await loop.run_in_executor(self._pool, AutoTokenizer.from_pretrained, str(path)))
         self.tokenizer = await loop.run_in_executor(self._pool, AutoTokenizer.from_pretrained, str(path))
+        if self.state != "starting":                  # a signal arrived while loading: start nothing
+            return
         self._tasks = [asyncio.create_task(self._client_loop(), name="clients"),
                        asyncio.create_task(self._worker_loop(), name="workers"),
                        asyncio.create_task(self.supervisor.run(), name="health")]
@@ -125,6 +130,8 @@ class Router:
         """Returns once every local replica is ready or has failed; raises when none is ready."""
         while any(r.state == "starting" and r.local for r in self.replicas.replicas.values()):
             await asyncio.sleep(0.05)
+        if self.state != "starting":
+            return                                     # shut down while starting
         if self.serve_cfg.replicas and not self.replicas.ready():
             code, msg = self.startup_errors[0] if self.startup_errors else (
                 "unavailable", "; ".join(f"replica {r.index}: {r.error}" for r in self.replicas.replicas.values()))
@@ -243,11 +250,14 @@ class Router:
                 raise UnavailableError("no replica is ready")
             rep = self.replicas.replicas[index]
         except MIIAsyncError as exc:
-            self._forget(live)
-            await self._refuse(live.peer, live.creq, exc)
+            if self.live.get(live.rid) is live:       # not already ended by an abort
+                self._forget(live)
+                await self._refuse(live.peer, live.creq, exc)
             return
         except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer error on odd input
             log.exception("request %s failed before dispatch", live.creq)
+            if self.live.get(live.rid) is not live:
+                return
             self._forget(live)
             await self._refuse(live.peer, live.creq, InvalidParameterError("prompt", f"could not be encoded: {exc}"))
             return
@@ -315,6 +325,13 @@ class Router:
                     totals[k] = totals.get(k, 0) + v
         return {**totals, "replicas": {str(i): s for i, s in sorted(per.items())}}
 
+    def replica_gone(self, index: int) -> None:
+        """A replica died: stats queries stop waiting for it."""
+        for fut, want, got in self._stats_waiters.values():
+            want.discard(index)
+            if want <= set(got) and not fut.done():
+                fut.set_result(got)
+
     # -- workers -------------------------------------------------------------------------------------
     async def _worker_loop(self) -> None:
         while True:
@@ -329,10 +346,12 @@ class Router:
             await self._on_step(peer, msg)
         elif isinstance(msg, P.Heartbeat):
             found = self.replicas.worker(peer.decode(errors="replace").removesuffix("/hb"))
-            if found is not None:
-                found[0].last_heartbeat = time.monotonic()
-                if found[1] == 0:
-                    found[0].stats = msg.stats
+            if found is None:                         # not (or no longer) one of ours: it should stop
+                await self.workers_sock.send(peer, P.Shutdown())
+                return
+            found[0].last_heartbeat = time.monotonic()
+            if found[1] == 0:
+                found[0].stats = msg.stats
             await self.workers_sock.send(peer, P.Heartbeat(-1, {}))
         elif isinstance(msg, P.RequestFailed):
             live = self.live.get(msg.req_id)
@@ -347,8 +366,10 @@ class Router:
                 if want <= set(got) and not fut.done():
                     fut.set_result(got)
         elif isinstance(msg, P.Hello):
-            rep = self.replicas.on_hello(msg.worker, msg.replica, msg.rank, msg.pid, msg.host)
-            if rep is None or msg.worker.encode() != peer:
+            rep = None
+            if msg.worker.encode() == peer and self.state in ("starting", "ready"):
+                rep = self.replicas.on_hello(msg.worker, msg.replica, msg.rank, msg.pid, msg.host)
+            if rep is None:
                 log.warning("refusing worker %s (replica %d rank %d)", msg.worker, msg.replica, msg.rank)
                 await self.workers_sock.send(peer, P.Shutdown())
                 return
@@ -358,6 +379,9 @@ class Router:
                                                         self.engine_cfg.to_dict(), s.heartbeat_s, s.heartbeat_timeout_s,
                                                         rep.dist_init))
         elif isinstance(msg, P.Ready):
+            if self.replicas.worker(peer.decode(errors="replace")) is None:
+                await self.workers_sock.send(peer, P.Shutdown())   # e.g. its replica timed out while loading
+                return
             rep = self.replicas.on_ready(peer.decode(errors="replace"), msg.info)
             if rep is not None:
                 self.balancer.forget(rep.index)
@@ -365,7 +389,7 @@ class Router:
         elif isinstance(msg, P.LoadFailed):
             found = self.replicas.worker(peer.decode(errors="replace"))
             if found is not None:
-                found[0].load_failed = True
+                found[0].load_failed = msg.code in PERMANENT_LOAD_ERRORS
                 self.startup_errors.append((msg.code, msg.message))
                 await self.supervisor.replica_died(found[0], f"could not load the model: {msg.message}")
         elif isinstance(msg, P.ProtocolError):

@@ -33,10 +33,13 @@ class Supervisor:
         s = self.router.serve_cfg
         while True:
             await asyncio.sleep(HEALTH_PERIOD_S)
-            now = time.monotonic()
-            for rep, reason in self.router.replicas.find_dead(now, s.heartbeat_timeout_s, s.startup_timeout_s):
-                await self.replica_died(rep, reason)
-            await self._expire_clients(now)
+            try:
+                now = time.monotonic()
+                for rep, reason in self.router.replicas.find_dead(now, s.heartbeat_timeout_s, s.startup_timeout_s):
+                    await self.replica_died(rep, reason)
+                await self._expire_clients(now)
+            except Exception:  # noqa: BLE001 - the health loop must outlive any one failure
+                log.exception("health check failed")
 
     async def replica_died(self, rep: Replica, reason: str) -> None:
         if rep.state in ("dead", "stopping"):
@@ -45,6 +48,7 @@ class Supervisor:
         self.router.counters["replica_deaths"] += 1
         log.error("replica %d died: %s; failing its %d request(s)", rep.index, reason, len(rep.requests))
         self.router.replicas.mark_dead(rep, reason)
+        self.router.replica_gone(rep.index)
         for rid in list(rep.requests):
             live = self.router.live.get(rid)
             if live is not None:
