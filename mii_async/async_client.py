@@ -239,16 +239,8 @@ class AsyncClient:
     async def terminate_server(self, drain_s: float = 10.0) -> None:
         """Stops the deployment: live requests get up to `drain_s` to finish, then end with "abort"; every
         router and worker process exits. Returns once the router has exited when this client started it."""
-        conn = self._conn()
         req_id = f"shutdown-{next(self._ids)}"
-        fut = conn.loop.create_future()
-        conn.start_request()
-        conn.queries[req_id] = fut
-        try:
-            await conn.send(P.Shutdown(float(drain_s), req_id))
-            await asyncio.wait_for(fut, self.timeout_s)
-        finally:
-            conn.queries.pop(req_id, None)
+        await asyncio.wait_for(self._ask(req_id, P.Shutdown(float(drain_s), req_id)), self.timeout_s)
         if self._process is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._process.wait, drain_s + 60.0)
             self._process.stop(10.0)
@@ -259,13 +251,17 @@ class AsyncClient:
         self.run(self.terminate_server(drain_s))
 
     async def _query(self, what: str) -> dict:
-        conn = self._conn()
         req_id = f"q-{next(self._ids)}"
+        return await self._ask(req_id, P.Query(req_id, what))
+
+    async def _ask(self, req_id: str, msg: P.Message) -> dict:
+        """Sends `msg` and waits for the QueryReply with `req_id` (UnavailableError if the router is silent)."""
+        conn = self._conn()
         fut = conn.loop.create_future()
         conn.start_request()
         conn.queries[req_id] = fut
         try:
-            await conn.send(P.Query(req_id, what))
+            await conn.send(msg)
             return await fut
         finally:
             conn.queries.pop(req_id, None)

@@ -118,11 +118,10 @@ class RouterSocket:
         self._sock.close(linger=int(linger_s * 1000))
 
 
-class DealerSocket:
-    """A connecting DEALER socket: one logical peer (the router)."""
+class _Dealer:
+    """What both DEALER sockets share: configuration, CURVE, identity, and decoding with a bad-frame count."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, identity: bytes | None = None,
-                 curve_dir: str | None = None) -> None:
+    def __init__(self, ctx: zmq.Context, address: str, identity: bytes | None, curve_dir: str | None) -> None:
         self._sock = ctx.socket(zmq.DEALER)
         _configure(self._sock)
         if curve_dir:
@@ -132,8 +131,7 @@ class DealerSocket:
         self._sock.connect(address)
         self.bad_frames = 0
 
-    async def recv(self) -> Message | ProtocolError:
-        frames = await self._sock.recv_multipart(copy=True)
+    def _decode(self, frames: list[bytes]) -> Message | ProtocolError:
         if len(frames) != 1:
             self.bad_frames += 1
             return ProtocolError(f"expected 1 frame, got {len(frames)}")
@@ -142,41 +140,37 @@ class DealerSocket:
         except ProtocolError as exc:
             self.bad_frames += 1
             return exc
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class DealerSocket(_Dealer):
+    """A connecting DEALER socket: one logical peer (the router)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, identity: bytes | None = None,
+                 curve_dir: str | None = None) -> None:
+        super().__init__(ctx, address, identity, curve_dir)
+
+    async def recv(self) -> Message | ProtocolError:
+        return self._decode(await self._sock.recv_multipart(copy=True))
 
     async def send(self, msg: Message) -> None:
         await self._sock.send(protocol.encode(msg))
 
-    def close(self) -> None:
-        self._sock.close(linger=0)
 
 
-class SyncDealerSocket:
+class SyncDealerSocket(_Dealer):
     """A blocking DEALER socket for a worker process: `recv(timeout)` returns None when nothing came."""
 
     def __init__(self, ctx: zmq.Context, address: str, identity: bytes, curve_dir: str | None = None) -> None:
-        self._sock = ctx.socket(zmq.DEALER)
-        _configure(self._sock)
-        if curve_dir:
-            _curve_client(self._sock, curve_dir)
-        self._sock.setsockopt(zmq.IDENTITY, identity)
-        self._sock.connect(address)
-        self.bad_frames = 0
+        super().__init__(ctx, address, identity, curve_dir)
 
     def recv(self, timeout_s: float) -> Message | ProtocolError | None:
         if not self._sock.poll(int(timeout_s * 1000)):
             return None
-        frames = self._sock.recv_multipart(copy=True)
-        if len(frames) != 1:
-            self.bad_frames += 1
-            return ProtocolError(f"expected 1 frame, got {len(frames)}")
-        try:
-            return protocol.decode(frames[0])
-        except ProtocolError as exc:
-            self.bad_frames += 1
-            return exc
+        return self._decode(self._sock.recv_multipart(copy=True))
 
     def send(self, msg: Message) -> None:
         self._sock.send(protocol.encode(msg))
 
-    def close(self) -> None:
-        self._sock.close(linger=0)
