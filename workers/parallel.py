@@ -19,7 +19,6 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from .shard_plan import ShardPlan, shard_plan  # noqa: F401 - re-exported
 from .step_plan import ScheduledSeq, StepPlan
 
 

@@ -31,6 +31,7 @@ from mii_async.transport import SyncDealerSocket
 
 log = logging.getLogger("mii_async.worker")
 ASSIGN_TIMEOUT_S = 120.0
+STATS_REFRESH_S = 0.5        # how stale the counters in a heartbeat may be (StatsQuery answers are fresh)
 
 
 class Worker:
@@ -44,6 +45,7 @@ class Worker:
         self.engine: Any = None
         self.stats: dict[str, int] = {}     # the latest engine counters, read by the heartbeat thread
         self._stop = threading.Event()
+        self._stats_at = 0.0
 
     def request_stop(self, *_: Any) -> None:
         self._stop.set()
@@ -169,7 +171,9 @@ class Worker:
                 eng.abort(req_id)
                 self.sock.send(P.RequestFailed(req_id, f"engine step failed: {type(exc).__name__}: {exc}"))
             return
-        self.stats = eng.stats()
+        now = time.monotonic()
+        if now - self._stats_at > STATS_REFRESH_S:    # for the heartbeats; not worth doing every step
+            self.stats, self._stats_at = eng.stats(), now
         if not outputs:
             return
         lps = [None if o.logprobs is None else [o.logprobs.logprob, [list(t) for t in o.logprobs.top]]

@@ -50,21 +50,17 @@ def weight_bytes(model_path: Path, dtype: str) -> int:
 
 def plan_tensor_parallel(model_path: Path, dtype: str, device: str, gpus: list[int] | None = None) -> tuple[int, str]:
     """(T, why) for tensor_parallel="auto"."""
-    from ..workers.shard_plan import shard_plan
-
     if device == "cpu":
         return 1, "device is cpu: tensor_parallel=1"
     gpus = gpu_memory_bytes() if gpus is None else gpus
     if not gpus:
         return 1, "no GPU visible: tensor_parallel=1"
-    cfg = json.loads((model_path / "config.json").read_text())
-    heads = cfg["num_attention_heads"]
     need = weight_bytes(model_path, dtype)
     budget = int(min(gpus) * WEIGHT_SHARE)
     valid = []
     for t in range(1, len(gpus) + 1):
         try:
-            shard_plan(heads, cfg.get("num_key_value_heads") or heads, cfg["intermediate_size"], cfg["vocab_size"], 0, t)
+            check_tensor_parallel(model_path, t)
         except InvalidParameterError:
             continue
         valid.append(t)
@@ -74,3 +70,12 @@ def plan_tensor_parallel(model_path: Path, dtype: str, device: str, gpus: list[i
     t = max(valid)
     return t, (f"weights {need / 2**30:.1f} GiB do not fit {WEIGHT_SHARE:.0%} of a GPU even at tensor_parallel={t} "
                f"(the most that the {len(gpus)} visible GPU(s) and the model's heads allow): loading may fail")
+
+
+def check_tensor_parallel(model_path: Path, world: int) -> None:
+    """Refuses, naming the head counts, a tensor_parallel that the model's shapes do not allow."""
+    from ..workers.shard_plan import shard_plan
+
+    cfg = json.loads((model_path / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    shard_plan(heads, cfg.get("num_key_value_heads") or heads, cfg["intermediate_size"], cfg["vocab_size"], 0, world)

@@ -6,8 +6,9 @@ limits and the admission bounds, picks a replica (balancer.py) and forwards the 
 replica leader is detokenized per request (UTF-8 safe, stop strings) and streamed to the client as Deltas.
 A stop string ends a request here, and the replica is told to abort it.
 
-Failure handling: a bad frame or a bad request gets an ErrorReply and the loop carries on; dead replicas
-and silent clients are the supervisor's (supervisor.py). `shutdown(drain_s)` refuses new work, lets live requests finish up to
+The workers' socket (handshakes, heartbeats, step tokens) is worker_link.py's. Failure handling: a bad frame
+or a bad request gets an ErrorReply and the loop carries on; dead replicas and silent clients are the
+supervisor's (supervisor.py). `shutdown(drain_s)` refuses new work, lets live requests finish up to
 `drain_s`, aborts the rest (finish_reason "abort"), stops the workers and returns.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -29,28 +30,15 @@ from ..errors import InvalidParameterError, MIIAsyncError, OverloadedError, Unav
 from ..params import SamplingParams
 from ..transport import RouterSocket, start_authenticator
 from .balancer import Balancer, Candidate
+from .parallel_plan import check_tensor_parallel, plan_tensor_parallel
 from .prompts import PromptEncoder
 from .replicas import Replica, ReplicaSet
 from .supervisor import Supervisor
+from .worker_link import WorkerLink
 from .request_state import Ended, RequestState
 
 log = logging.getLogger("mii_async.router")
 STATS_TIMEOUT_S = 10.0
-# Load failures that a restart cannot fix (others, such as an out-of-memory while an old process's memory is
-# still being freed, get the supervisor's restart with backoff).
-PERMANENT_LOAD_ERRORS = ("invalid_parameter", "request_too_long", "model_not_found", "unsupported_model")
-
-
-class _TokenEvent(NamedTuple):      # what RequestState.on_event reads from a sampled token
-    token_id: int
-    logprobs: Any
-    finish_reason: str | None
-    cached_tokens: int
-
-
-class _Logprobs(NamedTuple):
-    logprob: float
-    top: list
 
 
 @dataclass
@@ -89,6 +77,7 @@ class Router:
         self.startup_errors: list[tuple[str, str]] = []    # (code, message) of replicas that failed to load
         self.counters = {"requests": 0, "rejected": 0, "overloaded": 0, "failed": 0, "replica_deaths": 0}
         self.supervisor = Supervisor(self)
+        self.worker_link = WorkerLink(self)
         self._tasks: list[asyncio.Task] = []
         self._stopped = asyncio.Event()
         self._shutdown_task: asyncio.Task | None = None
@@ -107,12 +96,10 @@ class Router:
         self.model_path = path
         world = self.serve_cfg.tensor_parallel
         if world == "auto":
-            from .parallel_plan import plan_tensor_parallel
-
             world, why = await loop.run_in_executor(self._pool, plan_tensor_parallel, path, mc.dtype, mc.device)
             log.info("tensor parallel plan: %s", why)
         elif world > 1:
-            _check_tensor_parallel(path, world)
+            check_tensor_parallel(path, world)
         self.replicas.tensor_parallel = self.tensor_parallel = int(world)
         # Two instances: encoding runs on the pool thread, decoding on the loop, and a fast tokenizer must
         # not be used by two threads at once.
@@ -121,7 +108,7 @@ class Router:
         if self.state != "starting":                  # a signal arrived while loading: start nothing
             return
         self._tasks = [asyncio.create_task(self._client_loop(), name="clients"),
-                       asyncio.create_task(self._worker_loop(), name="workers"),
+                       asyncio.create_task(self.worker_link.run(), name="workers"),
                        asyncio.create_task(self.supervisor.run(), name="health")]
         for i in range(self.serve_cfg.replicas):
             self.replicas.start_local(i)
@@ -251,14 +238,14 @@ class Router:
             rep = self.replicas.replicas[index]
         except MIIAsyncError as exc:
             if self.live.get(live.rid) is live:       # not already ended by an abort
-                self._forget(live)
+                self.forget(live)
                 await self._refuse(live.peer, live.creq, exc)
             return
         except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer error on odd input
             log.exception("request %s failed before dispatch", live.creq)
             if self.live.get(live.rid) is not live:
                 return
-            self._forget(live)
+            self.forget(live)
             await self._refuse(live.peer, live.creq, InvalidParameterError("prompt", f"could not be encoded: {exc}"))
             return
         live.state = RequestState(self.tokenizer, text, ids, params)
@@ -325,6 +312,14 @@ class Router:
                     totals[k] = totals.get(k, 0) + v
         return {**totals, "replicas": {str(i): s for i, s in sorted(per.items())}}
 
+    def on_stats_report(self, msg: P.StatsReport) -> None:
+        waiter = self._stats_waiters.get(msg.token)
+        if waiter is not None:
+            fut, want, got = waiter
+            got[msg.replica] = msg.stats
+            if want <= set(got) and not fut.done():
+                fut.set_result(got)
+
     def replica_gone(self, index: int) -> None:
         """A replica died: stats queries stop waiting for it."""
         for fut, want, got in self._stats_waiters.values():
@@ -333,96 +328,7 @@ class Router:
                 fut.set_result(got)
 
     # -- workers -------------------------------------------------------------------------------------
-    async def _worker_loop(self) -> None:
-        while True:
-            peer, msg = await self.workers_sock.recv()
-            try:
-                await self._on_worker(peer, msg)
-            except Exception:  # noqa: BLE001
-                log.exception("error handling a worker message")
-
-    async def _on_worker(self, peer: bytes, msg: Any) -> None:
-        if isinstance(msg, P.StepTokens):
-            await self._on_step(peer, msg)
-        elif isinstance(msg, P.Heartbeat):
-            found = self.replicas.worker(peer.decode(errors="replace").removesuffix("/hb"))
-            if found is None:                         # not (or no longer) one of ours: it should stop
-                await self.workers_sock.send(peer, P.Shutdown())
-                return
-            found[0].last_heartbeat = time.monotonic()
-            if found[1] == 0:
-                found[0].stats = msg.stats
-            await self.workers_sock.send(peer, P.Heartbeat(-1, {}))
-        elif isinstance(msg, P.RequestFailed):
-            live = self.live.get(msg.req_id)
-            if live is not None and self._from_replica(peer, live):
-                self.counters["failed"] += 1
-                await self.end(live, Ended("error", msg.message), tell_replica=False)
-        elif isinstance(msg, P.StatsReport):
-            waiter = self._stats_waiters.get(msg.token)
-            if waiter is not None:
-                fut, want, got = waiter
-                got[msg.replica] = msg.stats
-                if want <= set(got) and not fut.done():
-                    fut.set_result(got)
-        elif isinstance(msg, P.Hello):
-            rep = None
-            if msg.worker.encode() == peer and self.state in ("starting", "ready"):
-                rep = self.replicas.on_hello(msg.worker, msg.replica, msg.rank, msg.pid, msg.host)
-            if rep is None:
-                log.warning("refusing worker %s (replica %d rank %d)", msg.worker, msg.replica, msg.rank)
-                await self.workers_sock.send(peer, P.Shutdown())
-                return
-            s = self.serve_cfg
-            await self.workers_sock.send(peer, P.Assign(rep.index, msg.rank, rep.tensor_parallel,
-                                                        rep.index * rep.tensor_parallel + msg.rank,
-                                                        self.engine_cfg.to_dict(), s.heartbeat_s, s.heartbeat_timeout_s,
-                                                        rep.dist_init))
-        elif isinstance(msg, P.Ready):
-            if self.replicas.worker(peer.decode(errors="replace")) is None:
-                await self.workers_sock.send(peer, P.Shutdown())   # e.g. its replica timed out while loading
-                return
-            rep = self.replicas.on_ready(peer.decode(errors="replace"), msg.info)
-            if rep is not None:
-                self.balancer.forget(rep.index)
-                log.info("replica %d ready (%s)", rep.index, rep.workers[0].info.get("device"))
-        elif isinstance(msg, P.LoadFailed):
-            found = self.replicas.worker(peer.decode(errors="replace"))
-            if found is not None:
-                found[0].load_failed = msg.code in PERMANENT_LOAD_ERRORS
-                self.startup_errors.append((msg.code, msg.message))
-                await self.supervisor.replica_died(found[0], f"could not load the model: {msg.message}")
-        elif isinstance(msg, P.ProtocolError):
-            log.warning("bad frame from worker %r: %s", peer, msg)
-        else:
-            log.warning("unexpected %s from worker %r", type(msg).__name__, peer)
-
-    def _from_replica(self, peer: bytes, live: _Live) -> bool:
-        return live.replica is not None and live.replica.leader == peer and live.replica.state == "ready"
-
-    async def _on_step(self, peer: bytes, msg: P.StepTokens) -> None:
-        n = len(msg.req_ids)
-        if not (len(msg.token_ids) == len(msg.finish_reasons) == len(msg.cached_tokens) == n) or (
-                msg.logprobs is not None and len(msg.logprobs) != n):
-            log.warning("malformed StepTokens from %r", peer)
-            return
-        for i, rid in enumerate(msg.req_ids):
-            live = self.live.get(rid)
-            if live is None or live.state is None or not self._from_replica(peer, live):
-                continue                              # aborted, or a late token of a dead generation
-            lp = msg.logprobs[i] if msg.logprobs is not None else None
-            ev = _TokenEvent(msg.token_ids[i], _Logprobs(lp[0], [tuple(t) for t in lp[1]]) if lp else None,
-                             msg.finish_reasons[i], msg.cached_tokens[i])
-            chunk = live.state.on_event(ev)
-            if chunk is not None:
-                await self._send_chunk(live, chunk)
-            if live.state.needs_abort:
-                live.state.needs_abort = False
-                await self.workers_sock.send(peer, P.AbortRequest(rid))
-            if live.state.finished:
-                self._forget(live)
-
-    async def _send_chunk(self, live: _Live, chunk: Any) -> None:
+    async def send_chunk(self, live: _Live, chunk: Any) -> None:
         lps = None if chunk.logprobs is None else [[lp.token_id, lp.logprob, [list(t) for t in lp.top]]
                                                    for lp in chunk.logprobs]
         first = not live.sent_first
@@ -434,7 +340,7 @@ class Router:
 
     async def end(self, live: _Live, ev: Ended, tell_replica: bool) -> None:
         """Ends a live request with an abort or an error, telling the client (and the replica)."""
-        self._forget(live)
+        self.forget(live)
         if live.state is None:                      # still tokenizing: _admit will see it gone
             if ev.reason == "error":
                 await self.clients.send(live.peer, P.ErrorReply(live.creq, "generation_failed", ev.error or "error"))
@@ -445,26 +351,15 @@ class Router:
             await self.workers_sock.send(live.replica.leader, P.AbortRequest(live.rid))
         chunk = live.state.on_event(ev)
         if chunk is not None:
-            await self._send_chunk(live, chunk)
+            await self.send_chunk(live, chunk)
 
-    def _forget(self, live: _Live) -> None:
+    def forget(self, live: _Live) -> None:
         if self.live.pop(live.rid, None) is None:
             return
         self._by_client.pop((live.peer, live.creq), None)
         if live.replica is not None:
             live.replica.requests.discard(live.rid)
             self.queued_tokens -= live.cost
-
-def _check_tensor_parallel(path: Any, world: int) -> None:
-    """Refuses, naming the head counts, a tensor_parallel that the model's shapes do not allow."""
-    import json
-
-    from ..workers.shard_plan import shard_plan
-
-    cfg = json.loads((path / "config.json").read_text())
-    heads = cfg["num_attention_heads"]
-    shard_plan(heads, cfg.get("num_key_value_heads") or heads, cfg["intermediate_size"], cfg["vocab_size"], 0, world)
-
 
 class _StartupError(Exception):
     def __init__(self, code: str, message: str) -> None:

@@ -16,7 +16,8 @@ from tqdm.auto import tqdm
 from mii_async.kernels.metadata import AttentionMetadata
 
 from ..loader import ModelSpec, WeightReader
-from ..parallel import ShardPlan, TPGroup, shard_plan
+from ..parallel import TPGroup
+from ..shard_plan import ShardPlan, shard_plan
 from .rope import cos_sin_cache, inv_frequencies
 
 

@@ -1,0 +1,129 @@
+"""WorkerLink: the router's side of the workers' socket — handshakes, heartbeats, and each step's tokens.
+
+Hello is answered with Assign (or Shutdown for a worker that has no place: a stray of a dead generation, a
+mismatched routing id, a router that is stopping); Ready completes a replica; LoadFailed ends it (for good
+when a restart cannot help). Heartbeats are echoed only to registered workers, and an unknown one is told to
+stop. Each StepTokens is fed, token by token, to its request's RequestState, and the resulting chunks stream to
+the clients; tokens of aborted requests and late ones from a dead generation are dropped.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from .. import protocol as P
+from .request_state import Ended
+
+if TYPE_CHECKING:
+    from .server import Router
+
+log = logging.getLogger("mii_async.router")
+# Load failures that a restart cannot fix (others, such as an out-of-memory while an old process's memory is
+# still being freed, get the supervisor's restart with backoff).
+PERMANENT_LOAD_ERRORS = ("invalid_parameter", "request_too_long", "model_not_found", "unsupported_model")
+
+
+class _TokenEvent(NamedTuple):      # what RequestState.on_event reads from a sampled token
+    token_id: int
+    logprobs: Any
+    finish_reason: str | None
+    cached_tokens: int
+
+
+class _Logprobs(NamedTuple):
+    logprob: float
+    top: list
+
+
+class WorkerLink:
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    async def run(self) -> None:
+        r = self.router
+        while True:
+            peer, msg = await r.workers_sock.recv()
+            try:
+                await self._on_message(peer, msg)
+            except Exception:  # noqa: BLE001
+                log.exception("error handling a worker message")
+
+    async def _on_message(self, peer: bytes, msg: Any) -> None:
+        r = self.router
+        if isinstance(msg, P.StepTokens):
+            await self._on_step(peer, msg)
+        elif isinstance(msg, P.Heartbeat):
+            found = r.replicas.worker(peer.decode(errors="replace").removesuffix("/hb"))
+            if found is None:                         # not (or no longer) one of ours: it should stop
+                await r.workers_sock.send(peer, P.Shutdown())
+                return
+            found[0].last_heartbeat = time.monotonic()
+            if found[1] == 0:
+                found[0].stats = msg.stats
+            await r.workers_sock.send(peer, P.Heartbeat(-1, {}))
+        elif isinstance(msg, P.RequestFailed):
+            live = r.live.get(msg.req_id)
+            if live is not None and self._from_replica(peer, live):
+                r.counters["failed"] += 1
+                await r.end(live, Ended("error", msg.message), tell_replica=False)
+        elif isinstance(msg, P.StatsReport):
+            r.on_stats_report(msg)
+        elif isinstance(msg, P.Hello):
+            rep = None
+            if msg.worker.encode() == peer and r.state in ("starting", "ready"):
+                rep = r.replicas.on_hello(msg.worker, msg.replica, msg.rank, msg.pid, msg.host)
+            if rep is None:
+                log.warning("refusing worker %s (replica %d rank %d)", msg.worker, msg.replica, msg.rank)
+                await r.workers_sock.send(peer, P.Shutdown())
+                return
+            s = r.serve_cfg
+            await r.workers_sock.send(peer, P.Assign(rep.index, msg.rank, rep.tensor_parallel,
+                                                        rep.index * rep.tensor_parallel + msg.rank,
+                                                        r.engine_cfg.to_dict(), s.heartbeat_s, s.heartbeat_timeout_s,
+                                                        rep.dist_init))
+        elif isinstance(msg, P.Ready):
+            if r.replicas.worker(peer.decode(errors="replace")) is None:
+                await r.workers_sock.send(peer, P.Shutdown())   # e.g. its replica timed out while loading
+                return
+            rep = r.replicas.on_ready(peer.decode(errors="replace"), msg.info)
+            if rep is not None:
+                r.balancer.forget(rep.index)
+                log.info("replica %d ready (%s)", rep.index, rep.workers[0].info.get("device"))
+        elif isinstance(msg, P.LoadFailed):
+            found = r.replicas.worker(peer.decode(errors="replace"))
+            if found is not None:
+                found[0].load_failed = msg.code in PERMANENT_LOAD_ERRORS
+                r.startup_errors.append((msg.code, msg.message))
+                await r.supervisor.replica_died(found[0], f"could not load the model: {msg.message}")
+        elif isinstance(msg, P.ProtocolError):
+            log.warning("bad frame from worker %r: %s", peer, msg)
+        else:
+            log.warning("unexpected %s from worker %r", type(msg).__name__, peer)
+
+    @staticmethod
+    def _from_replica(peer: bytes, live: Any) -> bool:
+        return live.replica is not None and live.replica.leader == peer and live.replica.state == "ready"
+
+    async def _on_step(self, peer: bytes, msg: P.StepTokens) -> None:
+        r = self.router
+        n = len(msg.req_ids)
+        if not (len(msg.token_ids) == len(msg.finish_reasons) == len(msg.cached_tokens) == n) or (
+                msg.logprobs is not None and len(msg.logprobs) != n):
+            log.warning("malformed StepTokens from %r", peer)
+            return
+        for i, rid in enumerate(msg.req_ids):
+            live = r.live.get(rid)
+            if live is None or live.state is None or not self._from_replica(peer, live):
+                continue                              # aborted, or a late token of a dead generation
+            lp = msg.logprobs[i] if msg.logprobs is not None else None
+            ev = _TokenEvent(msg.token_ids[i], _Logprobs(lp[0], [tuple(t) for t in lp[1]]) if lp else None,
+                             msg.finish_reasons[i], msg.cached_tokens[i])
+            chunk = live.state.on_event(ev)
+            if chunk is not None:
+                await r.send_chunk(live, chunk)
+            if live.state.needs_abort:
+                live.state.needs_abort = False
+                await r.workers_sock.send(peer, P.AbortRequest(rid))
+            if live.state.finished:
+                r.forget(live)
