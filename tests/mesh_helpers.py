@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from typing import Any, Awaitable, Callable
 
@@ -49,18 +48,6 @@ async def kv_idle(client: Any, timeout_s: float = 5.0) -> dict:
 
 def deployment_pids(health: dict) -> list[int]:
     return [p for r in health["replicas"] for p in r["pids"]]
-
-
-def run(coro: Awaitable[Any]) -> Any:
-    return asyncio.run(coro)
-
-
-def worker_pids_now(client: Any) -> list[int]:
-    return deployment_pids(client.run(client.health()))
-
-
-def env_pid_list(name: str) -> list[int]:
-    return [int(x) for x in os.environ.get(name, "").split(",") if x]
 
 
 def with_word_tokenizer(model_dir: Any, out_dir: Any, vocab_size: int = 320) -> Any:

@@ -43,7 +43,7 @@ class Replica:
     ready_at: float | None = None
     last_heartbeat: float = field(default_factory=time.monotonic)
     requests: set[int] = field(default_factory=set)                # router request numbers in flight here
-    stats: dict = field(default_factory=dict)                       # latest engine counters
+    stats: dict = field(default_factory=dict)                       # the leader's counters, from heartbeats
     error: str | None = None       # why it died
     load_failed: bool = False      # it could not load the model: never restarted
     dist_init: str = ""            # where its tensor-parallel ranks rendezvous (torch.distributed)
@@ -64,7 +64,8 @@ class Replica:
                 "hosts": sorted({w.host for w in self.workers.values()}), "requests": len(self.requests),
                 "load_tokens": load_tokens, "error": self.error,
                 "device": self.workers[0].info.get("device") if 0 in self.workers else None,
-                "peak_rss_mib": [w.info.get("peak_rss_mib") for _, w in sorted(self.workers.items())]}
+                "peak_rss_mib": [w.info.get("peak_rss_mib") for _, w in sorted(self.workers.items())],
+                "engine": self.stats}
 
 
 def _free_port() -> int:

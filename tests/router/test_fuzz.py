@@ -66,6 +66,7 @@ def test_router_survives_malformed_frames(deployment):
     health = deployment.run(deployment.health())
     assert health["state"] == "ready" and health["bad_frames"] > before
     assert [r["state"] for r in health["replicas"]] == ["ready"]
+    assert health["replicas"][0]["engine"]["num_blocks"] > 0          # the leader's heartbeat counters
     [r] = deployment(["The capital of France is"], max_new_tokens=4)
     assert r.generated_length == 4
 
