@@ -125,11 +125,13 @@ class _Connection:
 
 class AsyncClient:
     def __init__(self, address: str, *, curve_dir: str | None = None, ping_s: float = 2.0,
-                 timeout_s: float = 30.0, _process: Any = None) -> None:
+                 timeout_s: float = 30.0, _process: Any = None, _gateway: Any = None) -> None:
         self.address = address
         self.curve_dir = curve_dir
         self.ping_s, self.timeout_s = ping_s, timeout_s
         self._process = _process                  # the RouterProcess when serve() started it
+        self._gateway = _gateway                  # its GatewayProcess, with serve(enable_http=True)
+        self.http_url: str | None = _gateway.url if _gateway is not None else None
         self._ctx = zmq.asyncio.Context()
         self._conns: dict[asyncio.AbstractEventLoop, _Connection] = {}
         self._lock = threading.Lock()
@@ -244,6 +246,8 @@ class AsyncClient:
         if self._process is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._process.wait, drain_s + 60.0)
             self._process.stop(10.0)
+            if self._gateway is not None:                # after the drain: its streams were part of it
+                await asyncio.get_running_loop().run_in_executor(None, self._gateway.stop, 10.0)
             self.close()                                # the deployment is gone; a remote one may not be
 
     def terminate_server_sync(self, drain_s: float = 10.0) -> None:

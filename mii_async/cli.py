@@ -71,8 +71,11 @@ def _chat(a: argparse.Namespace) -> int:
 def _serve(a: argparse.Namespace) -> int:
     import json
     import logging
+    import os
+    import signal
 
-    from .config import split_serve_kwargs
+    from .config import HttpConfig, split_serve_kwargs
+    from .gateway.main import API_KEY_ENV
     from .router.main import run_router, run_uvloop
 
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
@@ -81,15 +84,77 @@ def _serve(a: argparse.Namespace) -> int:
         worker_port=a.worker_port, max_queued_requests=a.max_queued_requests, drain_timeout_s=a.drain_timeout,
         curve_dir=a.curve_dir, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
         **({"kv_cache_memory": a.kv_cache_memory} if a.kv_cache_memory is not None else {})))
+    http = None
+    if not a.no_http:
+        http = HttpConfig(http_host=a.http_host, http_port=a.http_port, served_model_name=a.served_model_name,
+                          api_key=a.api_key or os.environ.get(API_KEY_ENV) or None)
+        if http.http_port:                          # fail before the model loads, not after
+            from .gateway.main import bind
+
+            bind(http.http_host, http.http_port).close()
+    gateway: list = []
+    failed: list[str] = []
+
+    def start_gateway(router_address: str) -> None:
+        from .deployment import GatewayProcess
+
+        try:
+            gw = GatewayProcess(router_address, http, serve.curve_dir, serve.drain_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - reported, then the deployment stops
+            failed.append(str(exc))
+            print(f"mii-async: the gateway could not start: {exc}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        gateway.append(gw)
+        key = " (API key required)" if http.api_key else ""
+        print(f"mii-async: chat page at {gw.url}/ · OpenAI API at {gw.url}/v1 · WebSocket at "
+              f"{gw.url.replace('http', 'ws', 1)}/v1/ws{key}", flush=True)
 
     def on_ready(status: dict) -> None:
-        if "error" not in status:
-            print(f"mii-async: serving {status['model']} on {status['address']} "
-                  f"(workers join at {status['worker_address']})", flush=True)
-            if a.status_json:
-                print(json.dumps(status), flush=True)
+        if "error" in status:
+            return
+        print(f"mii-async: serving {status['model']} on {status['address']} "
+              f"(workers join at {status['worker_address']})", flush=True)
+        if a.status_json:
+            print(json.dumps(status), flush=True)
+        if http is not None:
+            address = status["address"].replace("tcp://0.0.0.0:", "tcp://127.0.0.1:")
+            asyncio.get_running_loop().run_in_executor(None, start_gateway, address)
 
-    return run_uvloop(run_router(serve, engine, on_ready))
+    try:
+        code = run_uvloop(run_router(serve, engine, on_ready))
+    finally:
+        for gw in gateway:
+            gw.stop(10.0)
+    return 2 if failed else code
+
+
+def _gateway(a: argparse.Namespace) -> int:
+    from .gateway.main import main as gateway_main
+
+    argv = ["--router", a.router, "--config", _gateway_config(a)] + (["--curve-dir", a.curve_dir] if a.curve_dir else [])
+    return gateway_main(argv + ["--log-level", a.log_level] + (["--tokenizer", a.tokenizer] if a.tokenizer else []))
+
+
+def _gateway_config(a: argparse.Namespace) -> str:
+    import json
+    import os
+
+    from .config import HttpConfig
+    from .gateway.main import API_KEY_ENV
+
+    if a.api_key:
+        os.environ[API_KEY_ENV] = a.api_key         # read by the gateway, kept off its config
+    HttpConfig(http_host=a.http_host, http_port=a.http_port, served_model_name=a.served_model_name)
+    return json.dumps({"http_host": a.http_host, "http_port": a.http_port, "served_model_name": a.served_model_name})
+
+
+def _http_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--http-host", default="127.0.0.1", help="the gateway's address (default: loopback only)")
+    p.add_argument("--http-port", type=int, default=8000, help="the gateway's port (0: any free one)")
+    p.add_argument("--api-key", default=None, help="required on every HTTP and WebSocket route "
+                   "(default: $MII_ASYNC_API_KEY; none: open)")
+    p.add_argument("--served-model-name", default=None, help="the model's name in the OpenAI API")
 
 
 def _worker(a: argparse.Namespace) -> int:
@@ -111,7 +176,7 @@ def _tp_arg(v: str) -> int | str:
 
 
 def _serve_parser(sub: Any) -> None:
-    s = sub.add_parser("serve", help="run a deployment: the router and its worker processes")
+    s = sub.add_parser("serve", help="run a deployment: the router, its worker processes and the HTTP gateway")
     s.add_argument("model", nargs="?", default=None, help="as for generate (default: SmolLM2-135M-Instruct)")
     s.add_argument("--replicas", type=int, default=1, help="replicas to start here (0: wait for workers that join)")
     s.add_argument("--tensor-parallel", type=_tp_arg, default="auto", help="ranks per replica, or auto (default)")
@@ -126,6 +191,8 @@ def _serve_parser(sub: Any) -> None:
     s.add_argument("--device", default="auto")
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for each replica's KV pool (CPU)")
+    _http_args(s)
+    s.add_argument("--no-http", action="store_true", help="no gateway: only the router's ZeroMQ socket")
     s.add_argument("--status-json", action="store_true", help="also print the ready status as one JSON line")
     s.add_argument("--log-level", default="INFO")
     s.set_defaults(func=_serve)
@@ -147,6 +214,13 @@ def main(argv: list[str] | None = None) -> int:
 
     w = build_parser(sub.add_parser("worker", help="join a router's mesh as a worker (on this or another host)"))
     w.set_defaults(func=_worker)
+    gw = sub.add_parser("gateway", help="run an HTTP/WebSocket gateway in front of a running router")
+    gw.add_argument("--router", required=True, help="the router's client address, e.g. tcp://127.0.0.1:5555")
+    _http_args(gw)
+    gw.add_argument("--curve-dir", default=None)
+    gw.add_argument("--tokenizer", default=None, help="the model directory, when the router's is not on this host")
+    gw.add_argument("--log-level", default="INFO")
+    gw.set_defaults(func=_gateway)
     k = sub.add_parser("keys", help="make CURVE key pairs for a deployment that leaves loopback")
     k.add_argument("dir")
     k.set_defaults(func=_keys)

@@ -150,6 +150,13 @@ def split_serve_kwargs(model: str | None, kwargs: dict[str, Any]) -> tuple[Serve
     return serve, engine
 
 
+def split_http_kwargs(kwargs: dict[str, Any]) -> tuple[HttpConfig, dict[str, Any]]:
+    """Takes the gateway's fields (HttpConfig) out of `serve(**kwargs)`; returns them and the rest."""
+    names = _field_names(HttpConfig)
+    return HttpConfig(**{k: v for k, v in kwargs.items() if k in names}), {k: v for k, v in kwargs.items()
+                                                                           if k not in names}
+
+
 def _field_names(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
 
@@ -160,3 +167,33 @@ def _pos_int(obj: Any, name: str, optional: bool = False) -> None:
         return
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise InvalidParameterError(name, f"must be a positive integer, got {v!r}")
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    """The gateway: the HTTP/WebSocket front of a deployment (a client of its router like any other)."""
+    http_host: str = "127.0.0.1"       # loopback unless told otherwise
+    http_port: int = 8000              # 0: any free port
+    api_key: str | None = None         # required on every route when set (or $MII_ASYNC_API_KEY)
+    served_model_name: str | None = None  # the OpenAI `model` name; None: the model's directory name
+    ws_max_message_bytes: int = 1 << 20   # a larger client frame closes the WebSocket (1009)
+    ws_send_queue: int = 4096          # frames waiting for a slow reader; past this the socket is closed (1013)
+    ws_max_requests: int = 256         # live requests per WebSocket connection
+    ws_ping_s: float = 20.0            # WebSocket ping period; no pong within as long: closed
+    max_body_bytes: int = 8 << 20      # a larger HTTP request body: 413
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.http_host, str) or not self.http_host:
+            raise InvalidParameterError("http_host", f"must be a host name or address, got {self.http_host!r}")
+        v = self.http_port
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 65536:
+            raise InvalidParameterError("http_port", f"must be a TCP port (0 for any), got {v!r}")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise InvalidParameterError("api_key", "must be a non-empty string or None")
+        for name in ("ws_max_message_bytes", "ws_send_queue", "ws_max_requests", "max_body_bytes"):
+            _pos_int(self, name)
+        if isinstance(self.ws_ping_s, bool) or not isinstance(self.ws_ping_s, (int, float)) or self.ws_ping_s <= 0:
+            raise InvalidParameterError("ws_ping_s", f"must be a positive number of seconds, got {self.ws_ping_s!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

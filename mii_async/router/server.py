@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -282,11 +283,20 @@ class Router:
                 total += live.cost - len(live.state.output_ids)
         return total
 
+    def model_name(self) -> str:
+        """The name to serve the model under: what the caller named (a directory's own name), or the default's."""
+        from ..model_source import DEFAULT_MODEL_NAME
+
+        named = self.engine_cfg.model.model
+        return os.path.basename(str(named).rstrip("/")) if named else DEFAULT_MODEL_NAME
+
     def health(self) -> dict:
         ready = self.replicas.ready()
         state = self.state if self.state != "ready" or ready else "unavailable"
         return {"state": state, "protocol_version": P.PROTOCOL_VERSION, "tensor_parallel": self.tensor_parallel, "model": str(getattr(self, "model_path", "")),
+                "model_name": self.model_name(),
                 "address": self.address, "worker_address": self.worker_address,
+                "limits": lim.to_dict() if (lim := self.replicas.limits()) is not None else None,
                 "replicas": [r.describe(self.replica_load(r)) for r in sorted(self.replicas.replicas.values(), key=lambda r: r.index)],
                 "live_requests": len(self.live), "queued_tokens": self.queued_tokens,
                 "bad_frames": self.clients.bad_frames + self.workers_sock.bad_frames, **self.counters}

@@ -1,0 +1,67 @@
+"""create_app: the gateway's FastAPI app over a GatewayState."""
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .auth import APIKeyMiddleware
+from .body_limit import BodyLimitMiddleware
+from .http_errors import HTTPError, bad_request
+from .sse import ClientGone
+from .state import GatewayState
+
+log = logging.getLogger("mii_async.gateway")
+
+
+def create_app(state: GatewayState) -> FastAPI:
+    """The app; `state.start()` runs in its lifespan (the router must answer then)."""
+    from contextlib import asynccontextmanager
+
+    from . import ops, openai_routes, rest, ui, ws
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await state.start()
+        yield
+        state.close()
+
+    app = FastAPI(title="mii_async gateway", lifespan=lifespan, docs_url="/docs", redoc_url=None)
+    app.state.gateway = state
+    for r in (ops.router, openai_routes.router, rest.router, ws.router, ui.router):
+        app.include_router(r)
+    app.mount("/static", ui.static_files(), name="static")
+
+    @app.exception_handler(HTTPError)
+    async def on_http_error(_: Request, exc: HTTPError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0] if exc.errors() else {}
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        if err.get("type") == "extra_forbidden":
+            message = f"Unrecognized request argument supplied: {param}"
+        elif err.get("type") == "json_invalid":
+            param, message = None, f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')}".rstrip(": ")
+        else:
+            message = f"{param}: {err.get('msg', 'invalid value')}" if param else err.get("msg", "invalid request")
+        return bad_request(param, message).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_starlette_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+        return HTTPError(exc.status_code, str(exc.detail), kind).response()
+
+    @app.exception_handler(ClientGone)
+    async def on_client_gone(_: Request, __: ClientGone) -> Response:
+        return Response(status_code=499)          # nobody reads it: the client has gone
+
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.max_body_bytes)
+    if state.config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=state.config.api_key)
+    return app

@@ -1,0 +1,128 @@
+"""OpenAI request bodies → mii_async jobs (prompt + SamplingParams keywords), refusing what we do not do.
+
+Every refusal is a 400 naming the parameter as the caller spelled it. Names differ in two places, mapped back
+in errors: max_tokens (ours: max_new_tokens) and min_tokens (ours: min_new_tokens).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import InvalidParameterError
+from ..params import SamplingParams
+from .http_errors import bad_request
+from .openai_schemas import ChatCompletionRequest, CompletionRequest, _Common
+from .state import GatewayState
+from .streams import Job
+
+MAX_N = 16
+RENAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+_ROLES = {"system", "user", "assistant", "tool", "developer"}
+
+
+def _common(body: _Common) -> dict[str, Any]:
+    if body.logit_bias:
+        raise bad_request("logit_bias", "logit_bias is not supported")
+    p: dict[str, Any] = {"temperature": 1.0 if body.temperature is None else body.temperature}
+    for ours, theirs in (("top_p", "top_p"), ("presence_penalty", "presence_penalty"),
+                         ("frequency_penalty", "frequency_penalty"), ("seed", "seed"), ("top_k", "top_k"),
+                         ("min_p", "min_p"), ("repetition_penalty", "repetition_penalty"),
+                         ("min_new_tokens", "min_tokens"), ("ignore_eos", "ignore_eos"),
+                         ("skip_special_tokens", "skip_special_tokens"),
+                         ("include_stop_str_in_output", "include_stop_str_in_output")):
+        v = getattr(body, theirs)
+        if v is not None:
+            p[ours] = v
+    if body.stop is not None:
+        p["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
+    if body.stop_token_ids:
+        p["stop_token_ids"] = list(body.stop_token_ids)
+    return p
+
+
+def _n(body: _Common) -> int:
+    n = 1 if body.n is None else body.n
+    if not 1 <= n <= MAX_N:
+        raise bad_request("n", f"n must be in [1, {MAX_N}], got {n}")
+    return n
+
+
+def _jobs(prompts: list[Any], params: dict[str, Any], n: int) -> list[Job]:
+    try:
+        SamplingParams.from_kwargs(**params)
+    except InvalidParameterError as exc:
+        from .http_errors import from_exception
+
+        raise from_exception(exc, RENAME) from None
+    jobs = []
+    for i, prompt in enumerate(prompts):
+        for j in range(n):
+            p = dict(params)
+            if n > 1 and p.get("seed") is not None:
+                p["seed"] = p["seed"] + j          # distinct yet reproducible choices
+            jobs.append(Job(i * n + j, i, prompt, p))
+    return jobs
+
+
+def completion_jobs(body: CompletionRequest) -> list[Job]:
+    if body.suffix:
+        raise bad_request("suffix", "suffix is not supported")
+    n = _n(body)
+    if body.best_of is not None and body.best_of != n:
+        raise bad_request("best_of", "best_of other than n is not supported")
+    if body.echo and body.logprobs is not None:
+        raise bad_request("echo", "echo together with logprobs (prompt logprobs) is not supported")
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        prompts: list[Any] = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        prompts = [list(prompt)]
+    else:
+        prompts = list(prompt)
+    if not prompts or any(not p for p in prompts):
+        raise bad_request("prompt", "prompt must be a non-empty string, a list of them, or token ids")
+    params = _common(body)
+    params["max_new_tokens"] = body.max_tokens if body.max_tokens is not None else 16
+    if body.logprobs is not None:
+        params["logprobs"] = body.logprobs
+    return _jobs(prompts, params, n)
+
+
+def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Checks the messages and flattens text content parts; 'developer' is a system message."""
+    if not messages:
+        raise bad_request("messages", "messages must be a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        role, content = m.get("role"), m.get("content")
+        if role not in _ROLES:
+            raise bad_request(f"messages[{i}].role", f"role must be one of {', '.join(sorted(_ROLES))}, got {role!r}")
+        if isinstance(content, list):
+            parts = []
+            for k, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request(f"messages[{i}].content[{k}]", "only text content parts are supported")
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif content is None and role == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise bad_request(f"messages[{i}].content", "content must be a string or a list of text parts")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def chat_jobs(body: ChatCompletionRequest, state: GatewayState) -> list[Job]:
+    if body.tools or body.functions:
+        raise bad_request("tools" if body.tools else "functions", "tool calling is not supported")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise bad_request("response_format", "only response_format type 'text' is supported")
+    n = _n(body)
+    messages = chat_messages(body.messages)
+    params = _common(body)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params["max_new_tokens"] = max_tokens if max_tokens is not None else state.room_for(messages)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs", "top_logprobs needs logprobs: true")
+    if body.logprobs:
+        params["logprobs"] = body.top_logprobs or 0
+    return _jobs([messages], params, n)

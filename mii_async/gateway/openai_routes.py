@@ -1,0 +1,194 @@
+"""OpenAI-compatible routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
+
+`stream: true` answers with server-sent events, one chunk per streamed step of each choice, then (with
+`stream_options.include_usage`) a usage chunk whose `choices` is empty, then `data: [DONE]`. A refused request
+is answered before any event (400 / 404 / 503 in OpenAI's error format); an error in the middle of a stream is
+sent as `data: {"error": …}`, then `[DONE]`. A client that disconnects aborts its requests.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from contextlib import aclosing
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+
+from ..errors import GenerationError, MIIAsyncError
+from ..outputs import Logprob, StreamChunk
+from .http_errors import HTTPError, from_exception
+from .openai_params import RENAME, chat_jobs, completion_jobs
+from .openai_schemas import ChatCompletionRequest, CompletionRequest
+from .sse import DONE, EventStream, event, until_disconnect
+from .state import GatewayState
+from .streams import Job, Opened, collect, merge, open_streams
+
+router = APIRouter()
+
+
+def _state(request: Request) -> GatewayState:
+    return request.app.state.gateway
+
+
+def check_model(state: GatewayState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise HTTPError(404, f"The model '{model}' does not exist; this server serves '{state.model_name}'",
+                        "not_found_error", "model", "model_not_found")
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict:
+    s = _state(request)
+    return {"object": "list", "data": [{"id": s.model_name, "object": "model", "created": s.created,
+                                        "owned_by": "mii_async"}]}
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    s = _state(request)
+    check_model(s, body.model)
+    return await _answer(s, request, "completions", completion_jobs(body), body, chat=False)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    s = _state(request)
+    check_model(s, body.model)
+    try:
+        jobs = chat_jobs(body, s)
+    except MIIAsyncError as exc:
+        raise from_exception(exc, RENAME) from None
+    return await _answer(s, request, "chat", jobs, body, chat=True)
+
+
+async def _answer(s: GatewayState, request: Request, api: str, jobs: list[Job], body: Any, chat: bool):
+    meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+            "model": s.model_name}
+    try:
+        opened = await until_disconnect(request, open_streams(s, api, jobs))
+    except MIIAsyncError as exc:
+        s.metrics.refused(api, exc)
+        raise from_exception(exc, RENAME) from None
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return EventStream(_events(s, opened, meta, chat, include_usage, bool(getattr(body, "echo", False))))
+    try:
+        chunks = await until_disconnect(request, collect(opened))
+    except MIIAsyncError as exc:
+        raise from_exception(exc, RENAME) from None
+    choices, usage = [], _Usage()
+    for o in opened:
+        cs = chunks[o.job.index]
+        last = cs[-1]
+        if last.finish_reason == "error":
+            raise from_exception(GenerationError(last.error or "generation failed"))
+        usage.add(o.job, last)
+        text = "".join(c.text for c in cs)
+        lps = [lp for c in cs for lp in (c.logprobs or [])]
+        want_lp = o.job.params.get("logprobs") is not None
+        if chat:
+            choices.append({"index": o.job.index, "message": {"role": "assistant", "content": text},
+                            "logprobs": _chat_logprobs(s, lps) if want_lp else None,
+                            "finish_reason": last.finish_reason})
+        else:
+            if body.echo:
+                text = _prompt_text(s, o.job.prompt) + text
+            choices.append({"index": o.job.index, "text": text, "logprobs": _text_logprobs(s, lps, 0) if want_lp else None,
+                            "finish_reason": last.finish_reason})
+    return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
+            "usage": usage.body(), "system_fingerprint": None}
+
+
+async def _events(s: GatewayState, opened: list[Opened], meta: dict, chat: bool, include_usage: bool,
+                  echo: bool) -> AsyncIterator[str]:
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    extra = {"usage": None} if include_usage else {}
+    usage = _Usage()
+    offsets = {o.job.index: 0 for o in opened}
+
+    def chunk(choice: dict) -> str:
+        return event({**meta, "object": obj, "choices": [choice], **extra})
+
+    if chat:
+        for o in opened:
+            yield chunk({"index": o.job.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None})
+    elif echo:
+        for o in opened:
+            text = _prompt_text(s, o.job.prompt)
+            offsets[o.job.index] = len(text)
+            yield chunk({"index": o.job.index, "text": text, "logprobs": None, "finish_reason": None})
+    async with aclosing(merge(opened)) as items:
+        async for job, c in items:
+            if isinstance(c, Exception):
+                yield _error_event(c)
+                continue
+            if c.finish_reason == "error":
+                yield _error_event(GenerationError(c.error or "generation failed"))
+                continue
+            want_lp = job.params.get("logprobs") is not None and c.logprobs
+            if chat:
+                delta = {"content": c.text} if c.text or c.finish_reason is None else {}
+                yield chunk({"index": job.index, "delta": delta,
+                             "logprobs": _chat_logprobs(s, c.logprobs) if want_lp else None,
+                             "finish_reason": c.finish_reason})
+            else:
+                lp = _text_logprobs(s, c.logprobs, offsets[job.index]) if want_lp else None
+                offsets[job.index] += len(c.text)
+                yield chunk({"index": job.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
+            if c.finish_reason is not None:
+                usage.add(job, c)
+    if include_usage:
+        yield event({**meta, "object": obj, "choices": [], "usage": usage.body()})
+    yield DONE
+
+
+def _error_event(exc: Exception) -> str:
+    return event(from_exception(exc, RENAME).body())
+
+
+class _Usage:
+    def __init__(self) -> None:
+        self.prompt, self.completion, self.cached, self.seen = 0, 0, 0, set()
+
+    def add(self, job: Job, last: StreamChunk) -> None:
+        u = last.usage
+        if u is None:
+            return
+        self.completion += u.completion_tokens
+        if job.prompt_index not in self.seen:     # n choices of one prompt count its tokens once
+            self.seen.add(job.prompt_index)
+            self.prompt += u.prompt_tokens
+            self.cached += u.cached_tokens
+
+    def body(self) -> dict:
+        return {"prompt_tokens": self.prompt, "completion_tokens": self.completion,
+                "total_tokens": self.prompt + self.completion,
+                "prompt_tokens_details": {"cached_tokens": self.cached}}
+
+
+def _prompt_text(s: GatewayState, prompt: Any) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return s.tokenizer.decode(prompt) if s.tokenizer is not None else ""
+
+
+def _text_logprobs(s: GatewayState, lps: list[Logprob], offset: int) -> dict:
+    """The completions API's logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens, offsets, pos = [], [], offset
+    for lp in lps:
+        t = s.token_text(lp.token_id)
+        tokens.append(t)
+        offsets.append(pos)
+        pos += len(t)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{s.token_text(i): v for i, v in lp.top} for lp in lps], "text_offset": offsets}
+
+
+def _chat_logprobs(s: GatewayState, lps: list[Logprob]) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        t = s.token_text(token_id)
+        return {"token": t, "logprob": logprob, "bytes": list(t.encode())}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
+                        for lp in lps]}

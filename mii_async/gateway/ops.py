@@ -1,0 +1,42 @@
+"""Operations: GET /health (200 when the deployment can take requests, else 503) and GET /metrics."""
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from .metrics import metrics_content_type
+from .state import GatewayState
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """200 {"status": "ready", …} when the router is ready with a live replica; 503 while it starts or
+    drains, when no replica is alive, or when the router does not answer."""
+    s: GatewayState = request.app.state.gateway
+    h = await s.health()
+    replicas = h.get("replicas", [])
+    ready = h.get("state") == "ready" and any(r.get("state") == "ready" for r in replicas)
+    body = {"status": "ready" if ready else h.get("state", "unavailable"), "model": s.model_name,
+            "replicas": {str(r.get("replica")): r.get("state") for r in replicas},
+            "live_requests": h.get("live_requests", 0)}
+    if "error" in h:
+        body["error"] = h["error"]
+    return JSONResponse(body, status_code=200 if ready else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    s: GatewayState = request.app.state.gateway
+    h = await s.health()
+    stats = None
+    if h.get("state") in ("ready", "draining"):
+        try:
+            stats = await asyncio.wait_for(s.client.stats(), 5.0)
+        except Exception:  # noqa: BLE001 - the scrape still gets the gateway's own metrics
+            stats = None
+    s.metrics.observe_deployment(h, stats)
+    return Response(s.metrics.render(), media_type=metrics_content_type())

@@ -1,0 +1,108 @@
+"""DeepSpeed-MII's REST API: POST /generate and POST /mii/{deployment_name}.
+
+    curl -X POST http://127.0.0.1:8000/generate -H "Content-Type: application/json" \
+         -d '{"prompts": ["DeepSpeed is"], "max_new_tokens": 128}'
+    → [{"generated_text": …, "prompt_length": …, "generated_length": …, "finish_reason": …}]
+
+`prompts` is a string, or a list of strings, token-id lists or chat-message lists; every other key is a
+sampling parameter by mii_async's names (an unknown one is a 400 naming it). `"stream": true` answers with
+server-sent events — `{"index", "text", "token_ids", "finish_reason", "usage"}` per streamed step of each
+prompt — ending in `data: [DONE]`; an error in the middle is `data: {"error": …}`.
+"""
+from __future__ import annotations
+
+from contextlib import aclosing
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Body, Request
+
+from ..errors import GenerationError, MIIAsyncError
+from ..params import SamplingParams
+from ..router.prompts import is_messages, is_token_ids
+from .http_errors import HTTPError, bad_request, from_exception
+from .sse import DONE, EventStream, event, until_disconnect
+from .state import GatewayState
+from .streams import Job, Opened, collect, merge, open_streams
+
+router = APIRouter()
+MAX_PROMPTS = 1024
+
+
+@router.post("/generate")
+async def generate(request: Request, body: Any = Body(...)):
+    return await _generate(request.app.state.gateway, request, body)
+
+
+@router.post("/mii/{deployment_name}")
+async def mii_generate(deployment_name: str, request: Request, body: Any = Body(...)):
+    s: GatewayState = request.app.state.gateway
+    if deployment_name != s.model_name:
+        raise HTTPError(404, f"no deployment named '{deployment_name}'; this server serves '{s.model_name}'",
+                        "not_found_error", "deployment_name", "model_not_found")
+    return await _generate(s, request, body)
+
+
+def _jobs(body: Any) -> tuple[list[Job], bool]:
+    if not isinstance(body, dict):
+        raise bad_request(None, "the body must be a JSON object")
+    body = dict(body)
+    if "prompts" not in body:
+        raise bad_request("prompts", "prompts is required: a string or a list of prompts")
+    prompts = body.pop("prompts")
+    stream = body.pop("stream", False)
+    if not isinstance(stream, bool):
+        raise bad_request("stream", "stream must be true or false")
+    if isinstance(prompts, str) or is_token_ids(prompts) or is_messages(prompts):
+        prompts = [prompts]
+    if not isinstance(prompts, list) or not prompts or len(prompts) > MAX_PROMPTS:
+        raise bad_request("prompts", f"prompts must be a string or a list of 1 to {MAX_PROMPTS} prompts")
+    for i, p in enumerate(prompts):
+        if not (isinstance(p, str) and p) and not is_token_ids(p) and not is_messages(p):
+            raise bad_request(f"prompts[{i}]", "each prompt is a non-empty string, token ids or chat messages")
+    try:
+        SamplingParams.from_kwargs(**body)
+    except MIIAsyncError as exc:
+        raise from_exception(exc) from None
+    return [Job(i, i, p, body) for i, p in enumerate(prompts)], stream
+
+
+async def _generate(s: GatewayState, request: Request, body: Any):
+    jobs, stream = _jobs(body)
+    try:
+        opened = await until_disconnect(request, open_streams(s, "generate", jobs))
+    except MIIAsyncError as exc:
+        s.metrics.refused("generate", exc)
+        raise from_exception(exc) from None
+    if stream:
+        return EventStream(_events(opened))
+    try:
+        chunks = await until_disconnect(request, collect(opened))
+    except MIIAsyncError as exc:
+        raise from_exception(exc) from None
+    out = []
+    for o in opened:
+        cs = chunks[o.job.index]
+        last = cs[-1]
+        if last.finish_reason == "error":
+            raise from_exception(GenerationError(last.error or "generation failed"))
+        text = "".join(c.text for c in cs)
+        if o.job.params.get("return_full_text") and isinstance(o.job.prompt, str):
+            text = o.job.prompt + text
+        u = last.usage
+        out.append({"generated_text": text, "prompt_length": u.prompt_tokens if u else 0,
+                    "generated_length": sum(len(c.token_ids) for c in cs), "finish_reason": last.finish_reason})
+    return out
+
+
+async def _events(opened: list[Opened]) -> AsyncIterator[str]:
+    async with aclosing(merge(opened)) as items:
+        async for job, c in items:
+            if isinstance(c, Exception):
+                yield event(from_exception(c).body())
+                continue
+            if c.finish_reason == "error":
+                yield event(from_exception(GenerationError(c.error or "generation failed")).body())
+                continue
+            yield event({"index": job.index, "text": c.text, "token_ids": c.token_ids,
+                         "finish_reason": c.finish_reason, "usage": c.usage.to_dict() if c.usage else None})
+    yield DONE

@@ -1,0 +1,100 @@
+"""GatewayState: what every route of one gateway shares — its router client, config, tokenizer and metrics."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+from ..async_client import AsyncClient
+from ..config import HttpConfig
+from ..errors import InvalidParameterError
+from .metrics import Metrics
+
+log = logging.getLogger("mii_async.gateway")
+DEFAULT_MAX_TOKENS = 128  # for a chat request without max_tokens when the limits are not known
+HEALTH_CACHE_S = 0.5        # /health and /metrics ask the router at most this often
+
+
+class GatewayState:
+    def __init__(self, client: AsyncClient, config: HttpConfig, tokenizer_path: str | None = None) -> None:
+        self.client = client
+        self.config = config
+        self.metrics = Metrics()
+        self.tokenizer_path = tokenizer_path
+        self.tokenizer: Any = None            # loaded at startup from the router's model directory
+        self.model_name = config.served_model_name or ""
+        self.created = int(time.time())
+        self._health: tuple[float, dict] | None = None
+        self._health_lock = asyncio.Lock()
+        self._init_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Asks the router what it serves, and loads that model's tokenizer (token strings for logprobs,
+        echo, the room a chat prompt leaves). A router that does not answer yet is asked again every 2 s."""
+        h = await self.health(fresh=True)
+        if "error" in h:
+            log.warning("the router does not answer yet; the gateway answers 503 until it does")
+            self._init_task = asyncio.ensure_future(self._init_later())
+            return
+        await self._init_from(h)
+
+    async def _init_later(self) -> None:
+        while True:
+            await asyncio.sleep(2.0)
+            h = await self.health(fresh=True)
+            if "error" not in h:
+                await self._init_from(h)
+                return
+
+    async def _init_from(self, health: dict) -> None:
+        model_path = self.tokenizer_path or health.get("model") or ""
+        if not self.model_name:
+            self.model_name = health.get("model_name") or os.path.basename(model_path.rstrip("/")) or "default"
+        if model_path and os.path.isdir(model_path):
+            from transformers import AutoTokenizer
+
+            self.tokenizer = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: AutoTokenizer.from_pretrained(model_path))
+        else:
+            log.warning("no tokenizer at %r: logprobs carry token ids as their text", model_path)
+
+    async def health(self, fresh: bool = False) -> dict:
+        """The router's health, cached for HEALTH_CACHE_S; {"state": "unavailable", …} when it does not answer."""
+        async with self._health_lock:
+            now = time.monotonic()
+            if not fresh and self._health is not None and now - self._health[0] < HEALTH_CACHE_S:
+                return self._health[1]
+            try:
+                h = await asyncio.wait_for(self.client.health(), 5.0)
+            except Exception as exc:  # noqa: BLE001 - any failure to answer means unavailable
+                h = {"state": "unavailable", "error": f"the router does not answer: {exc or type(exc).__name__}",
+                     "replicas": []}
+            self._health = (time.monotonic(), h)
+            return h
+
+    def room_for(self, messages: list[dict[str, str]]) -> int:
+        """max_tokens for a chat request that names none: what is left of the context (and of the KV pool)
+        after the prompt, as OpenAI and vLLM do."""
+        limits = (self._health[1] if self._health else {}).get("limits")
+        if not limits or self.tokenizer is None:
+            return DEFAULT_MAX_TOKENS
+        from ..router.prompts import PromptEncoder
+
+        _, ids = PromptEncoder(self.tokenizer).encode(messages)
+        room = min(limits["max_model_len"], limits["max_request_tokens"]) - len(ids)
+        if room < 1:
+            raise InvalidParameterError("messages", f"the prompt ({len(ids)} tokens) leaves no room in the "
+                                        f"context of {limits['max_model_len']} tokens")
+        return room
+
+    def token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"<{token_id}>"
+        return self.tokenizer.decode([token_id])
+
+    def close(self) -> None:
+        if self._init_task is not None:
+            self._init_task.cancel()
+        self.client.close()

@@ -1,0 +1,166 @@
+"""WebSocket streaming at /v1/ws: many concurrent requests on one connection (docs/websocket.md).
+
+    → {"type": "generate", "id": "a", "prompt": "…" | "messages": [...], "max_new_tokens": 64, …}
+    ← {"type": "token", "id": "a", "text": "…", "token_ids": [...]}        per streamed step
+    ← {"type": "done", "id": "a", "finish_reason": "stop", "usage": {...}}
+    → {"type": "cancel", "id": "a"}       ← {"type": "done", "id": "a", "finish_reason": "abort", …}
+    ← {"type": "error", "id": "a" | null, "code": "…", "message": "…", "param": "…" | null}
+
+Each connection has one writer and a bounded send queue: a reader too slow for what it asked for fills the
+queue, and the connection is closed (1013) rather than letting server memory grow. A disconnect, or that
+close, cancels every request of the connection, so their KV blocks are freed within a step. A malformed
+frame gets an error frame; the connection stays up. uvicorn pings every ws_ping_s and bounds frame size.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import APIRouter, WebSocket
+
+from ..errors import InvalidParameterError, MIIAsyncError, error_code
+from ..outputs import StreamChunk
+from ..params import SamplingParams
+from .state import GatewayState
+
+log = logging.getLogger("mii_async.gateway.ws")
+router = APIRouter()
+WS_PROTOCOL = 1
+CLOSE_TOO_SLOW = 1013            # "try again later": the client did not read fast enough
+
+
+@router.websocket("/v1/ws")
+async def websocket_endpoint(ws: WebSocket) -> None:
+    await WsConnection(ws.app.state.gateway, ws).run()
+
+
+class _Overflow(Exception):
+    pass
+
+
+class WsConnection:
+    def __init__(self, state: GatewayState, ws: WebSocket) -> None:
+        self.state, self.ws = state, ws
+        self.out: asyncio.Queue[str] = asyncio.Queue(maxsize=state.config.ws_send_queue)
+        self.live: dict[Any, asyncio.Task] = {}
+        self.closing = False
+        self.overflow = asyncio.Event()
+
+    async def run(self) -> None:
+        await self.ws.accept()
+        cfg = self.state.config
+        self.put({"type": "hello", "protocol": WS_PROTOCOL, "model": self.state.model_name,
+                  "max_message_bytes": cfg.ws_max_message_bytes, "max_requests": cfg.ws_max_requests})
+        tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self._write()),
+                 asyncio.ensure_future(self.overflow.wait())]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.closing = True
+            live = list(self.live.values())
+            for t in live + tasks:
+                t.cancel()
+            await asyncio.gather(*live, *tasks, return_exceptions=True)
+        if self.overflow.is_set():
+            log.warning("closing a WebSocket: its send queue is full (%d frames)", cfg.ws_send_queue)
+            try:
+                await asyncio.wait_for(self.ws.close(CLOSE_TOO_SLOW, "send queue full: the client reads too slowly"), 5.0)
+            except Exception:  # noqa: BLE001 - the peer is stuck or gone; uvicorn drops the connection
+                pass
+
+    def put(self, frame: dict) -> None:
+        if self.closing:
+            return
+        try:
+            self.out.put_nowait(json.dumps(frame, ensure_ascii=False, separators=(",", ":")))
+        except asyncio.QueueFull:
+            self.closing = True
+            self.overflow.set()
+
+    async def _write(self) -> None:
+        while True:
+            await self.ws.send_text(await self.out.get())
+
+    async def _read(self) -> None:
+        while True:
+            msg = await self.ws.receive()
+            if msg["type"] == "websocket.disconnect":
+                return
+            if msg.get("text") is None:
+                self._error(None, "invalid_message", "frames must be JSON text, not binary")
+                continue
+            try:
+                frame = json.loads(msg["text"])
+            except ValueError as exc:
+                self._error(None, "invalid_json", f"not JSON: {exc}")
+                continue
+            self._on_frame(frame)
+
+    def _error(self, req_id: Any, code: str, message: str, param: str | None = None) -> None:
+        self.put({"type": "error", "id": req_id, "code": code, "message": message, "param": param})
+
+    def _on_frame(self, frame: Any) -> None:
+        if not isinstance(frame, dict):
+            return self._error(None, "invalid_message", "a frame must be a JSON object")
+        kind, req_id = frame.get("type"), frame.get("id")
+        if kind == "ping":
+            return self.put({"type": "pong", "id": req_id})
+        if kind not in ("generate", "cancel"):
+            return self._error(req_id, "invalid_message", f"unknown type {kind!r}: generate, cancel or ping", "type")
+        if isinstance(req_id, bool) or not isinstance(req_id, (str, int)):
+            return self._error(None, "invalid_parameter", "id must be a string or an integer", "id")
+        if kind == "cancel":
+            task = self.live.get(req_id)
+            if task is not None:
+                task.cancel()
+            return None
+        if req_id in self.live:
+            return self._error(req_id, "invalid_parameter", f"id {req_id!r} is already running", "id")
+        if len(self.live) >= self.state.config.ws_max_requests:
+            return self._error(req_id, "overloaded", f"at most {self.state.config.ws_max_requests} live requests "
+                               "per connection")
+        params = {k: v for k, v in frame.items() if k not in ("type", "id", "prompt", "messages")}
+        has_prompt, has_messages = "prompt" in frame, "messages" in frame
+        if has_prompt == has_messages:
+            return self._error(req_id, "invalid_parameter", "give exactly one of prompt and messages", "prompt")
+        prompt = frame["prompt"] if has_prompt else frame["messages"]
+        if has_messages and not (isinstance(prompt, list) and prompt):
+            return self._error(req_id, "invalid_parameter", "messages must be a non-empty list", "messages")
+        try:
+            SamplingParams.from_kwargs(**params)
+        except InvalidParameterError as exc:
+            return self._error(req_id, "invalid_parameter", str(exc), exc.param)
+        self.live[req_id] = asyncio.ensure_future(self._generate(req_id, prompt, params))
+        return None
+
+    async def _generate(self, req_id: Any, prompt: Any, params: dict[str, Any]) -> None:
+        sent = 0
+        try:
+            async with aclosing(self.state.metrics.track("ws", self.state.client.stream(prompt, **params))) as chunks:
+                async for c in chunks:
+                    if c.token_ids or c.text:
+                        self.put(_token_frame(req_id, c))
+                        sent += len(c.token_ids)
+                    if c.finish_reason == "error":
+                        self._error(req_id, "generation_failed", c.error or "generation failed")
+                    elif c.finish_reason is not None:
+                        self.put({"type": "done", "id": req_id, "finish_reason": c.finish_reason,
+                                  "usage": c.usage.to_dict() if c.usage else None})
+        except asyncio.CancelledError:
+            # A cancel frame (answered with "abort"), or the connection closing (nothing more to send).
+            self.put({"type": "done", "id": req_id, "finish_reason": "abort",
+                      "usage": {"prompt_tokens": None, "completion_tokens": sent}})
+        except MIIAsyncError as exc:
+            self._error(req_id, error_code(exc), str(exc), getattr(exc, "param", None))
+        finally:
+            self.live.pop(req_id, None)
+
+
+def _token_frame(req_id: Any, c: StreamChunk) -> dict:
+    frame: dict[str, Any] = {"type": "token", "id": req_id, "text": c.text, "token_ids": c.token_ids}
+    if c.logprobs:
+        frame["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} for lp in c.logprobs]
+    return frame

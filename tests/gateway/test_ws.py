@@ -1,0 +1,185 @@
+"""The gateway's WebSocket (/v1/ws) against the real deployment of the default model."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from tests.mesh_helpers import kv_idle, until
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _ws(url: str) -> str:
+    return url.replace("http://", "ws://") + "/v1/ws"
+
+
+async def _frames_until(ws, pred, timeout_s: float = 60.0) -> list[dict]:
+    """Reads frames until one satisfies `pred`; returns them all (that one last)."""
+    out = []
+    async with asyncio.timeout(timeout_s):
+        while True:
+            f = json.loads(await ws.recv())
+            out.append(f)
+            if pred(f):
+                return out
+
+
+def test_concurrent_streams_on_one_connection(gateway_url, deployment):
+    """Several requests on one socket stream interleaved tokens; each one's text equals what the client API
+    gives for the same request, and each ends with a done frame carrying usage."""
+    prompts = {f"r{i}": f"Count from {i} to {i + 5}:" for i in range(4)}
+
+    async def main():
+        async with connect(_ws(gateway_url)) as ws:
+            hello = json.loads(await ws.recv())
+            assert hello["type"] == "hello" and hello["model"] == (await deployment.health())["model_name"]
+            await ws.send(json.dumps({"type": "generate", "id": "chat", "messages": QUESTION, "max_new_tokens": 12}))
+            for rid, p in prompts.items():
+                await ws.send(json.dumps({"type": "generate", "id": rid, "prompt": p, "max_new_tokens": 10}))
+            text = {rid: "" for rid in [*prompts, "chat"]}
+            done: dict[str, dict] = {}
+            order = []
+            async with asyncio.timeout(60):
+                while len(done) < len(text):
+                    f = json.loads(await ws.recv())
+                    if f["type"] == "token":
+                        text[f["id"]] += f["text"]
+                        order.append(f["id"])
+                    elif f["type"] == "done":
+                        done[f["id"]] = f
+                    else:
+                        raise AssertionError(f)
+        expected = {rid: (await deployment.generate(p, max_new_tokens=10))[0].generated_text for rid, p in prompts.items()}
+        return text, done, order, expected
+
+    text, done, order, expected = asyncio.run(main())
+    assert "Paris" in text["chat"] and done["chat"]["finish_reason"] == "stop"
+    for rid in prompts:
+        assert text[rid] == expected[rid]
+        assert done[rid]["finish_reason"] == "length" and done[rid]["usage"]["completion_tokens"] == 10
+    assert len(set(order[:10])) > 1, "streams were not interleaved"
+
+
+def test_cancel_and_bad_frames_keep_the_connection(gateway_url, deployment):
+    """cancel ends a request with finish_reason abort and frees its KV; malformed JSON, an unknown type, a
+    duplicate id and a bad parameter each get an error frame (naming the parameter) and the socket stays up."""
+    async def main():
+        async with connect(_ws(gateway_url)) as ws:
+            await ws.recv()                                            # hello
+            await ws.send(json.dumps({"type": "generate", "id": 7, "prompt": "Tell me a long story.",
+                                      "max_new_tokens": 400, "ignore_eos": True}))
+            await _frames_until(ws, lambda f: f["type"] == "token")
+            await ws.send(json.dumps({"type": "generate", "id": 7, "prompt": "again"}))
+            dup = await _frames_until(ws, lambda f: f["type"] == "error")
+            await ws.send("{not json")
+            bad_json = await _frames_until(ws, lambda f: f["type"] == "error")
+            await ws.send(json.dumps({"type": "fly", "id": 1}))
+            unknown = await _frames_until(ws, lambda f: f["type"] == "error")
+            await ws.send(json.dumps({"type": "generate", "id": "t", "prompt": "x", "temperature": -1}))
+            bad_param = await _frames_until(ws, lambda f: f["type"] == "error")
+            await ws.send(json.dumps({"type": "generate", "id": "u", "prompt": "x", "max_new_tokenz": 3}))
+            unknown_param = await _frames_until(ws, lambda f: f["type"] == "error")
+            await ws.send(json.dumps({"type": "cancel", "id": 7}))
+            cancelled = await _frames_until(ws, lambda f: f["type"] == "done" and f["id"] == 7)
+            await kv_idle(deployment)
+            await ws.send(json.dumps({"type": "ping"}))
+            pong = await _frames_until(ws, lambda f: f["type"] == "pong")
+            await ws.send(json.dumps({"type": "generate", "id": "after", "messages": QUESTION, "max_new_tokens": 12}))
+            after = await _frames_until(ws, lambda f: f["type"] == "done")
+        return dup, bad_json, unknown, bad_param, unknown_param, cancelled, pong, after
+
+    dup, bad_json, unknown, bad_param, unknown_param, cancelled, pong, after = asyncio.run(main())
+    assert dup[-1]["id"] == 7 and dup[-1]["param"] == "id" and "already running" in dup[-1]["message"]
+    assert bad_json[-1]["code"] == "invalid_json" and bad_json[-1]["id"] is None
+    assert unknown[-1]["code"] == "invalid_message" and unknown[-1]["param"] == "type"
+    assert bad_param[-1]["id"] == "t" and bad_param[-1]["param"] == "temperature"
+    assert unknown_param[-1]["param"] == "max_new_tokenz"
+    assert cancelled[-1]["finish_reason"] == "abort"
+    assert pong[-1]["type"] == "pong"
+    assert "Paris" in "".join(f.get("text", "") for f in after) and after[-1]["finish_reason"] == "stop"
+
+
+def test_refused_request_is_an_error_frame(gateway_url):
+    """A request that can never fit is refused with an error frame naming max_new_tokens."""
+    async def main():
+        async with connect(_ws(gateway_url)) as ws:
+            await ws.recv()
+            await ws.send(json.dumps({"type": "generate", "id": "big", "prompt": "x", "max_new_tokens": 10 ** 6}))
+            return await _frames_until(ws, lambda f: f["type"] in ("error", "done"))
+
+    err = asyncio.run(main())[-1]
+    assert err["type"] == "error" and err["code"] == "request_too_long" and err["param"] == "max_new_tokens"
+
+
+def test_disconnect_cancels_every_request(gateway_url, deployment):
+    """Closing the socket with three requests streaming aborts them all: KV blocks return to the baseline."""
+    async def main():
+        await kv_idle(deployment)
+        ws = await connect(_ws(gateway_url))
+        await ws.recv()
+        for i in range(3):
+            await ws.send(json.dumps({"type": "generate", "id": i, "prompt": f"Story {i}:", "max_new_tokens": 500,
+                                      "ignore_eos": True}))
+        await _frames_until(ws, lambda f: f["type"] == "token")
+        await until(lambda: _running(deployment, 3), 20, "three running requests")
+        await ws.close()
+        await kv_idle(deployment, timeout_s=10)
+
+    asyncio.run(main())
+
+
+async def _running(client, n: int) -> bool:
+    return (await client.stats())["running"] == n
+
+
+def test_oversize_frame_closes_with_1009(gateway_url):
+    """A frame over ws_max_message_bytes (1 MiB) closes the socket with 1009 (message too big)."""
+    async def main():
+        async with connect(_ws(gateway_url), max_size=None) as ws:
+            await ws.recv()
+            await ws.send(json.dumps({"type": "generate", "id": 1, "prompt": "x" * (2 << 20)}))
+            with pytest.raises(ConnectionClosed) as info:
+                await asyncio.wait_for(ws.recv(), 10)
+            return info.value
+
+    closed = asyncio.run(main())
+    assert closed.rcvd is not None and closed.rcvd.code == 1009
+
+
+def test_slow_reader_is_closed_not_buffered(start_gateway, deployment):
+    """A client that asks for much and reads nothing fills its bounded send queue; the gateway closes the
+    socket (1013) instead of growing, and the requests are aborted (KV back at the baseline)."""
+    gw = start_gateway(ws_send_queue=16)
+
+    async def main():
+        await kv_idle(deployment)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)     # a small window: backpressure comes soon
+        sock.connect(("127.0.0.1", int(gw.url.rsplit(":", 1)[1])))
+        ws = await connect(_ws(gw.url), sock=sock, max_queue=1)
+        for i in range(32):
+            await ws.send(json.dumps({"type": "generate", "id": i, "prompt": f"Story {i}:", "max_new_tokens": 48,
+                                      "ignore_eos": True, "logprobs": 20}))
+        await until(lambda: _idle_or_gone(deployment), 90, "the slow reader's requests to be aborted", 0.5)
+        codes = []
+        try:
+            async with asyncio.timeout(30):
+                while True:
+                    await ws.recv()
+        except ConnectionClosed as exc:
+            codes.append(exc.rcvd.code if exc.rcvd else 1006)
+        await kv_idle(deployment)
+        return codes
+
+    codes = asyncio.run(main())
+    assert codes and codes[0] in (1013, 1006), codes
+
+
+async def _idle_or_gone(client) -> bool:
+    s = await client.stats()
+    return s["running"] == 0 and s["waiting"] == 0 and s["used_blocks"] == 0
