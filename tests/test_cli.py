@@ -49,7 +49,7 @@ def test_serve_with_a_joining_worker_over_curve(default_model_dir, tmp_path):
     port, wport = _free_port(), _free_port()
     serve = subprocess.Popen([sys.executable, "-m", "mii_async", "serve", str(default_model_dir), "--replicas", "0",
                               "--port", str(port), "--worker-port", str(wport), "--curve-dir", str(keys),
-                              "--status-json"], stdout=subprocess.PIPE, text=True)
+                              "--status-json", "--no-http"], stdout=subprocess.PIPE, text=True)
     worker = None
     try:
         line = serve.stdout.readline()
@@ -85,3 +85,51 @@ def test_serve_with_a_joining_worker_over_curve(default_model_dir, tmp_path):
             if p is not None and p.poll() is None:
                 p.kill()
     assert not wait_gone([serve.pid, worker.pid])
+
+
+def test_serve_starts_the_gateway_and_stops_it(default_model_dir):
+    """`mii-async serve` starts the gateway (chat page, OpenAI API); it answers; SIGINT stops the router, the
+    worker and the gateway, leaving no process behind."""
+    import re
+    import signal
+
+    import httpx
+
+    from tests.mesh_helpers import wait_gone
+
+    serve = subprocess.Popen([sys.executable, "-m", "mii_async", "serve", str(default_model_dir), "--port", "0",
+                              "--http-port", "0", "--kv-cache-memory", "0.1"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert serve.stdout.readline().startswith("mii-async: serving")
+        line = serve.stdout.readline()
+        m = re.match(r"mii-async: chat page at (http://127\.0\.0\.1:\d+)/ ", line)
+        assert m, line
+        url = m.group(1)
+        assert "<!doctype html>" in httpx.get(url + "/", timeout=10).text.lower()
+        health = httpx.get(url + "/health", timeout=10).json()
+        assert health["status"] == "ready"
+        r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 12,
+            "temperature": 0})
+        assert "Paris" in r.json()["choices"][0]["message"]["content"]
+        children = [int(p) for p in subprocess.run(["pgrep", "-P", str(serve.pid)], capture_output=True,
+                                                   text=True).stdout.split()]
+        assert len(children) == 2                     # the worker and the gateway
+        serve.send_signal(signal.SIGINT)
+        assert serve.wait(timeout=60) == 0
+        assert not wait_gone(children)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+
+
+def test_serve_refuses_a_busy_http_port_before_loading():
+    """A busy --http-port is refused at once, naming it, before any model loads."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        out = _cli("serve", "--port", "0", "--http-port", str(s.getsockname()[1]))
+    assert out.returncode == 2 and "http_port" in out.stderr and "loading" not in out.stderr

@@ -1,0 +1,168 @@
+"""Operations on the gateway: /health, /metrics, the API key, overload and replica loss — against real
+processes (a second deployment started with serve(enable_http=True), and the session's)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from websockets.asyncio.client import connect
+from websockets.exceptions import InvalidStatus
+
+import mii_async
+from tests.mesh_helpers import deployment_pids, kv_idle, until, wait_gone
+
+KEY = "s3cret-key-for-tests"
+
+
+@pytest.fixture(scope="module")
+def small(default_model_dir):
+    """serve(enable_http=True) with an API key, one running sequence and 2 queued requests at most."""
+    client = mii_async.serve(str(default_model_dir), kv_cache_memory=0.1, max_num_seqs=1, max_queued_requests=2,
+                             enable_http=True, http_port=0, api_key=KEY)
+    pids = [client._process.pid, client._gateway.pid] + deployment_pids(client.run(client.health()))
+    yield client
+    client.terminate_server_sync(drain_s=0)
+    assert not wait_gone(pids), "processes left behind"
+
+
+def _metrics(url: str, **kw) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(f"{url}/metrics", timeout=10, **kw).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_health_and_metrics(gateway_url):
+    """/health is 200 when ready; /metrics counts requests by status, tokens exactly, latency histograms, and
+    reports the KV blocks, queue depth and replica states."""
+    h = httpx.get(f"{gateway_url}/health", timeout=10)
+    assert h.status_code == 200 and h.json()["status"] == "ready" and h.json()["replicas"] == {"0": "ready"}
+    before = _metrics(gateway_url)
+    r = httpx.post(f"{gateway_url}/generate", json={"prompts": ["a", "b"], "max_new_tokens": 7, "ignore_eos": True},
+                   timeout=60)
+    assert r.status_code == 200
+    after = _metrics(gateway_url)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert delta("mii_async_requests_total", api="generate", status="length") == 2
+    assert delta("mii_async_generation_tokens_total", api="generate") == 14
+    assert delta("mii_async_prompt_tokens_total", api="generate") == sum(x["prompt_length"] for x in r.json())
+    assert delta("mii_async_time_to_first_token_seconds_count", api="generate") == 2
+    assert delta("mii_async_inter_token_latency_seconds_count", api="generate") >= 2
+    assert delta("mii_async_e2e_request_latency_seconds_count", api="generate") == 2
+    assert after[("mii_async_replica_up", (("replica", "0"), ("state", "ready")))] == 1
+    assert after[("mii_async_kv_blocks", (("state", "free"),))] > 0
+    assert ("mii_async_queue_depth", ()) in after and ("mii_async_requests_in_flight", (("api", "generate"),)) in after
+
+
+def test_api_key_on_every_route(small):
+    """With an API key, every route (the page, static files, health, metrics, REST, OpenAI, the WebSocket)
+    answers 401 without it or with a wrong one, and works with it as a bearer token, X-API-Key or api_key=."""
+    url = small.http_url
+    routes = [("GET", "/"), ("GET", "/static/chat.js"), ("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"),
+              ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/generate"), ("GET", "/nope")]
+    for method, path in routes:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"X-API-Key": KEY[:-1]}):
+            r = httpx.request(method, url + path, headers=headers, json={}, timeout=10)
+            assert r.status_code == 401, (method, path, headers, r.status_code)
+            assert r.json()["error"]["type"] == "authentication_error"
+    ok = [httpx.get(f"{url}/health", headers={"Authorization": f"Bearer {KEY}"}),
+          httpx.get(f"{url}/v1/models", headers={"X-API-Key": KEY}), httpx.get(f"{url}/?api_key={KEY}")]
+    assert [r.status_code for r in ok] == [200, 200, 200]
+
+    async def ws(query: str):
+        async with connect(url.replace("http", "ws") + "/v1/ws" + query) as s:
+            return await s.recv()
+
+    with pytest.raises(InvalidStatus) as e:
+        asyncio.run(ws(""))
+    assert e.value.response.status_code == 401
+    assert '"hello"' in asyncio.run(ws(f"?api_key={KEY}"))
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+    good = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    r = good.chat.completions.create(model=good.models.list().data[0].id, temperature=0, max_tokens=12,
+                                     messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in r.choices[0].message.content
+
+
+def test_overload_is_503(small):
+    """Past max_queued_requests the gateway answers 503 at once (OpenAI format, Retry-After), and the openai
+    package sees it as an error; once the queue drains, requests succeed."""
+    url, headers = small.http_url, {"Authorization": f"Bearer {KEY}"}
+
+    async def main():
+        await kv_idle(small)
+
+        async def hold():
+            async for _ in small.stream("Tell me a long story.", max_new_tokens=500, ignore_eos=True):
+                pass
+
+        holders = [asyncio.create_task(hold()) for _ in range(2)]
+        await until(lambda: _queued(small, 2), 20, "two live requests")
+        async with httpx.AsyncClient(timeout=30, headers=headers) as http:
+            t0 = time.monotonic()
+            r = await http.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            took = time.monotonic() - t0
+            ws_like = await http.post(f"{url}/generate", json={"prompts": "x", "max_new_tokens": 2, "stream": True})
+        for t in holders:
+            t.cancel()
+        await asyncio.gather(*holders, return_exceptions=True)
+        await kv_idle(small)
+        return r, took, ws_like
+
+    r, took, streamed = asyncio.run(main())
+    assert r.status_code == 503 and r.headers["retry-after"] == "1" and took < 1.0
+    assert r.json()["error"]["code"] == "overloaded" and "max_queued_requests" in r.json()["error"]["message"]
+    assert streamed.status_code == 503                         # refused before any event is sent
+    ok = httpx.post(f"{url}/generate", json={"prompts": "hi", "max_new_tokens": 2}, headers=headers, timeout=30)
+    assert ok.status_code == 200
+
+
+async def _queued(client, n: int) -> bool:
+    s = await client.stats()
+    return s["running"] + s["waiting"] == n
+
+
+def test_health_is_503_without_a_live_replica(small):
+    """kill -9 of the only worker: /health answers 503 until the replacement is ready, then 200 again."""
+    url, headers = small.http_url, {"Authorization": f"Bearer {KEY}"}
+    [pid] = deployment_pids(small.run(small.health()))
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    codes = set()
+    while time.monotonic() < deadline and 503 not in codes:
+        codes.add(httpx.get(f"{url}/health", headers=headers, timeout=10).status_code)
+        time.sleep(0.1)
+    assert 503 in codes
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{url}/health", headers=headers, timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, "no replacement replica"
+        time.sleep(0.5)
+
+
+def test_health_is_503_without_a_router(tmp_path):
+    """A gateway whose router does not answer starts, and /health says 503 unavailable."""
+    import socket
+
+    from mii_async.config import HttpConfig
+    from mii_async.deployment import GatewayProcess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    gw = GatewayProcess(f"tcp://127.0.0.1:{port}", HttpConfig(http_port=0))
+    try:
+        r = httpx.get(f"{gw.url}/health", timeout=30)
+        assert r.status_code == 503 and r.json()["status"] == "unavailable"
+    finally:
+        gw.stop()
+    assert not wait_gone([gw.pid])
