@@ -36,11 +36,14 @@ def create_app(state: GatewayState) -> FastAPI:
     app.mount("/static", ui.static_files(), name="static")
 
     @app.exception_handler(HTTPError)
-    async def on_http_error(_: Request, exc: HTTPError) -> JSONResponse:
+    async def on_http_error(request: Request, exc: HTTPError) -> JSONResponse:
+        if not exc.counted:
+            state.metrics.refused(request.url.path, exc.code)
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        state.metrics.refused(request.url.path, "invalid_parameter")
         err = exc.errors()[0] if exc.errors() else {}
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         param = ".".join(loc) or None

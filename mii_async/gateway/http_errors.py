@@ -24,6 +24,7 @@ class HTTPError(Exception):
                  code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.counted = False          # True once the request's stream counted it in the metrics
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -39,9 +40,16 @@ def bad_request(param: str | None, message: str) -> HTTPError:
     return HTTPError(400, message, "invalid_request_error", param, "invalid_parameter")
 
 
-def from_exception(exc: BaseException, rename: dict[str, str] | None = None) -> HTTPError:
+def from_exception(exc: BaseException, rename: dict[str, str] | None = None, counted: bool = False) -> HTTPError:
     """The HTTP answer for an error of mii_async; `rename` maps our parameter names to the API's own
-    (max_new_tokens → max_tokens) so that "param" names what the caller sent."""
+    (max_new_tokens → max_tokens) so that "param" names what the caller sent. `counted`: the request's stream
+    already counted it in the metrics."""
+    err = _from_exception(exc, rename)
+    err.counted = counted
+    return err
+
+
+def _from_exception(exc: BaseException, rename: dict[str, str] | None) -> HTTPError:
     code = error_code(exc)
     if isinstance(exc, InvalidParameterError):
         param = (rename or {}).get(exc.param, exc.param)

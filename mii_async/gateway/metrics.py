@@ -49,8 +49,11 @@ class Metrics:
         self.replica_up = Gauge("mii_async_replica_up", "1 for each replica in its state", ["replica", "state"],
                                 registry=r)
 
-    def refused(self, api: str, exc: BaseException) -> None:
-        self.requests.labels(api, error_code(exc)).inc()
+    def refused(self, path: str, code: str | None) -> None:
+        """Counts a request refused before any stream opened (a bad parameter, a bad key is not counted)."""
+        api = api_of(path)
+        if api is not None:
+            self.requests.labels(api, code or "error").inc()
 
     async def track(self, api: str, chunks: AsyncIterator[StreamChunk]) -> AsyncIterator[StreamChunk]:
         """Passes `chunks` through, observing TTFT, inter-token latency, end-to-end latency, tokens and the
@@ -94,6 +97,17 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def api_of(path: str) -> str | None:
+    """The `api` label of a generation route's path; None for the others."""
+    if path == "/v1/completions":
+        return "completions"
+    if path == "/v1/chat/completions":
+        return "chat"
+    if path == "/generate" or path.startswith("/mii/"):
+        return "generate"
+    return None
 
 
 def metrics_content_type() -> str:

@@ -67,21 +67,20 @@ async def _answer(s: GatewayState, request: Request, api: str, jobs: list[Job], 
     try:
         opened = await until_disconnect(request, open_streams(s, api, jobs))
     except MIIAsyncError as exc:
-        s.metrics.refused(api, exc)
-        raise from_exception(exc, RENAME) from None
+        raise from_exception(exc, RENAME, counted=True) from None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStream(_events(s, opened, meta, chat, include_usage, bool(getattr(body, "echo", False))))
     try:
         chunks = await until_disconnect(request, collect(opened))
     except MIIAsyncError as exc:
-        raise from_exception(exc, RENAME) from None
+        raise from_exception(exc, RENAME, counted=True) from None
     choices, usage = [], _Usage()
     for o in opened:
         cs = chunks[o.job.index]
         last = cs[-1]
         if last.finish_reason == "error":
-            raise from_exception(GenerationError(last.error or "generation failed"))
+            raise from_exception(GenerationError(last.error or "generation failed"), counted=True)
         usage.add(o.job, last)
         text = "".join(c.text for c in cs)
         lps = [lp for c in cs for lp in (c.logprobs or [])]

@@ -71,20 +71,19 @@ async def _generate(s: GatewayState, request: Request, body: Any):
     try:
         opened = await until_disconnect(request, open_streams(s, "generate", jobs))
     except MIIAsyncError as exc:
-        s.metrics.refused("generate", exc)
-        raise from_exception(exc) from None
+        raise from_exception(exc, counted=True) from None
     if stream:
         return EventStream(_events(opened))
     try:
         chunks = await until_disconnect(request, collect(opened))
     except MIIAsyncError as exc:
-        raise from_exception(exc) from None
+        raise from_exception(exc, counted=True) from None
     out = []
     for o in opened:
         cs = chunks[o.job.index]
         last = cs[-1]
         if last.finish_reason == "error":
-            raise from_exception(GenerationError(last.error or "generation failed"))
+            raise from_exception(GenerationError(last.error or "generation failed"), counted=True)
         text = "".join(c.text for c in cs)
         if o.job.params.get("return_full_text") and isinstance(o.job.prompt, str):
             text = o.job.prompt + text

@@ -123,6 +123,9 @@ def test_overload_is_503(small):
     assert r.status_code == 503 and r.headers["retry-after"] == "1" and took < 1.0
     assert r.json()["error"]["code"] == "overloaded" and "max_queued_requests" in r.json()["error"]["message"]
     assert streamed.status_code == 503                         # refused before any event is sent
+    m = _metrics(url, headers=headers)
+    assert m[("mii_async_requests_total", (("api", "completions"), ("status", "overloaded")))] == 1
+    assert m[("mii_async_requests_total", (("api", "generate"), ("status", "overloaded")))] == 1
     ok = httpx.post(f"{url}/generate", json={"prompts": "hi", "max_new_tokens": 2}, headers=headers, timeout=30)
     assert ok.status_code == 200
 
