@@ -58,6 +58,16 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(n * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Rotary on q and k, then k and v written into the caches (one fused kernel on CUDA). q [T, Hq, D],
+    k, v [T, Hkv, D] (rows may be strided views of one QKV projection). Returns the rotated q [T, Hq, D]."""
+    q, k = rotary_embedding(positions, q, k, cos_sin)
+    write_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` cached tokens of one sequence: blocks [nb] → [length, Hkv, D]."""
     return cache[blocks].flatten(0, 1)[:length]
@@ -84,8 +94,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys.to(q.dtype), vals.to(q.dtype),
                                            attn_mask=mask, scale=scale, enable_gqa=True)
         out[:nd] = o.squeeze(2)
-    start = nd
-    for s in range(nd, len(meta.query_lens)):
+    prefill_attention(q, k_cache, v_cache, meta, scale, out)
+    return out
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                      scale: float, out: torch.Tensor) -> None:
+    """The prompt-chunk part of paged_attention: rows from num_decodes on, written into `out` [T, Hq, D]."""
+    bs = k_cache.shape[1]
+    start = meta.num_decodes
+    for s in range(meta.num_decodes, len(meta.query_lens)):
         qlen, clen = meta.query_lens[s], meta.context_lens_host[s]
         nb = -(-clen // bs)
         keys = _gather(k_cache, meta.block_tables[s, :nb], clen).transpose(0, 1).to(q.dtype)  # [Hkv, C, D]
@@ -99,4 +117,3 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:start + qlen] = o.transpose(0, 1)
         start += qlen
-    return out

@@ -28,6 +28,7 @@ class ModelConfig:
     device: str = "auto"               # auto: cuda when available, else cpu
     max_model_len: int | None = None   # cap on prompt + output tokens; None: the model's own
     cache_dir: str = field(default_factory=default_cache_dir)  # converted models
+    kernels: str = "auto"              # auto: the CuPy/CUDA kernels on a GPU when cupy imports, else reference
 
     def __post_init__(self) -> None:
         dt = _DTYPE_ALIASES.get(str(self.dtype), str(self.dtype))
@@ -37,6 +38,8 @@ class ModelConfig:
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise InvalidParameterError("device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         _pos_int(self, "max_model_len", optional=True)
+        if self.kernels not in ("auto", "reference", "cuda"):
+            raise InvalidParameterError("kernels", f"must be auto, reference or cuda, got {self.kernels!r}")
 
 
 @dataclass(frozen=True)

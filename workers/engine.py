@@ -13,7 +13,8 @@ from typing import NamedTuple
 import torch
 
 from mii_async.config import EngineConfig
-from mii_async.kernels import get_ops
+from mii_async.errors import InvalidParameterError
+from mii_async.kernels import get_ops, resolve_backend
 from mii_async.model_source import resolve_model
 from mii_async.params import SamplingParams
 from mii_async.request_limits import RequestLimits
@@ -57,8 +58,12 @@ class Engine:
         self.max_model_len = min(mc.max_model_len or limit, limit)
         t0 = time.perf_counter()
         self.tp = tp
+        try:
+            self.kernels = resolve_backend(mc.kernels, self.device.type)
+        except ValueError as exc:
+            raise InvalidParameterError("kernels", str(exc)) from None
         self.model = LlamaModel.load(spec, WeightReader(self.model_path), self.dtype, self.device,
-                                     self.max_model_len, get_ops("reference"), tp)
+                                     self.max_model_len, get_ops(self.kernels), tp)
         kv_spec = dataclasses.replace(spec, num_kv_heads=self.model.num_kv_heads)   # this rank's KV heads
         self.load_seconds = time.perf_counter() - t0
         cc = config.cache

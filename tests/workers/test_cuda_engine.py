@@ -1,4 +1,5 @@
-"""The same engine code path on CUDA (reference ops on the GPU): parity with transformers there."""
+"""The same engine code path on CUDA, with the reference ops on the GPU and with the CuPy kernels: parity with
+transformers there."""
 from __future__ import annotations
 
 import random
@@ -13,16 +14,18 @@ from .helpers import make_engine, run_engine
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("kernels", ["reference", "cuda"])
 @pytest.mark.parametrize("kind", ["llama", "llama3", "mistral", "qwen2"])
-def test_tiny_models_fp32_on_cuda_match_transformers(tiny_model, kind):
-    """fp32 on the GPU: greedy outputs equal transformers' on the GPU, same weights."""
+def test_tiny_models_fp32_on_cuda_match_transformers(tiny_model, kind, kernels):
+    """fp32 on the GPU, with either op set: greedy outputs equal transformers' on the GPU, same weights."""
     from transformers import AutoModelForCausalLM
 
     path = tiny_model(kind)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).cuda().eval()
     rng = random.Random(kind)
     prompts = [[rng.randrange(3, 320) for _ in range(rng.randrange(5, 90))] for _ in range(4)]
-    engine = make_engine(path, device="cuda", dtype="float32", num_blocks=64)
+    engine = make_engine(path, device="cuda", dtype="float32", num_blocks=64, kernels=kernels)
+    assert engine.kernels == kernels
     ours = run_engine(engine, prompts, max_new_tokens=32, min_new_tokens=32)
     for p, o in zip(prompts, ours):
         ids = torch.tensor([p], device="cuda")
@@ -31,14 +34,15 @@ def test_tiny_models_fp32_on_cuda_match_transformers(tiny_model, kind):
         assert o == ref
 
 
+@pytest.mark.parametrize("kernels", ["reference", "cuda"])
 @pytest.mark.parametrize("dtype,tol", [("bfloat16", 2e-2), ("float16", 5e-3)])
-def test_half_precision_logits_on_cuda(tiny_model, dtype, tol):
+def test_half_precision_logits_on_cuda(tiny_model, dtype, tol, kernels):
     """bf16 / fp16 on the GPU: last-position logits of a chunked prefill within tol of transformers' fp32."""
     from transformers import AutoModelForCausalLM
 
     path = tiny_model("llama3")
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).cuda().eval()
-    engine = make_engine(path, device="cuda", dtype=dtype, num_blocks=64, max_batch_tokens=32)
+    engine = make_engine(path, device="cuda", dtype=dtype, num_blocks=64, max_batch_tokens=32, kernels=kernels)
     prompt = [random.Random(1).randrange(3, 320) for _ in range(100)]
     engine.add_request(1, prompt, mii_async.SamplingParams(max_new_tokens=1))
     while True:                                    # prefill in 32-token chunks; the last one is sampled

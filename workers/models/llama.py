@@ -118,8 +118,8 @@ class LlamaModel:
                 x, residual = ops.fused_add_rms_norm(h, residual, layer.input_norm, spec.rms_norm_eps)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)                    # [T, (Hq + 2 Hkv) D]
             q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
-            q, k = ops.rotary_embedding(positions, q.view(t, hq, d), k.view(t, hkv, d), self.cos_sin)
-            ops.write_kv(k, v.view(t, hkv, d), k_cache, v_cache, meta.slot_mapping)
+            q = ops.rotary_write_kv(positions, q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d),
+                                    self.cos_sin, k_cache, v_cache, meta.slot_mapping)
             attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
             h = F.linear(attn.reshape(t, hq * d), layer.o, layer.o_bias)
             if tp is not None:

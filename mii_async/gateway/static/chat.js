@@ -8,7 +8,7 @@
 // page as text (Text nodes / textContent), never as HTML. A dropped connection is retried with backoff.
 "use strict";
 
-(() => {
+function startChat() {
   const $ = (id) => document.getElementById(id);
   const ui = {
     messages: $("messages"), composer: $("composer"), prompt: $("prompt"), send: $("send"), stop: $("stop"),
@@ -76,7 +76,10 @@
 
   function onDisconnected() {
     model = null;
-    if (current) finish("error", null, "The connection to the server was lost.");
+    if (current) {
+      if (current.stopping) finish("abort");
+      else finish("error", null, "The connection to the server was lost.");
+    }
     scheduleReconnect();
   }
 
@@ -199,6 +202,7 @@
     current = null;
     clearTimeout(c.stopTimer);
     c.el.classList.remove("streaming");
+    c.el.removeAttribute("aria-busy");
     c.el.setAttribute("data-finish", reason);
 
     const tokens = usage && Number.isFinite(usage.completion_tokens) ? usage.completion_tokens : c.tokens;
@@ -255,6 +259,7 @@
     addMessage("user", text);
     const a = addMessage("assistant", "");
     a.el.classList.add("streaming");
+    a.el.setAttribute("aria-busy", "true");     // screen readers: read it once it is complete
     current = { id, ...a, text: "", tokens: 0, user: text, started: performance.now(), stopping: false,
                 stopTimer: null, maxNewTokens: params.max_new_tokens };
     ws.send(json);
@@ -418,4 +423,8 @@
   updateButtons();
   connect();
   ui.prompt.focus();
-})();
+}
+
+// index.html inserts this script from its head (to pass on ?api_key=): it may run before the body is parsed.
+if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", startChat);
+else startChat();

@@ -1,0 +1,175 @@
+"""CuPy/CUDA backend of the op set: the same signatures as reference.py, on torch CUDA tensors.
+
+Kernels are compiled from csrc/*.cu by CuPy (NVRTC, `-arch=sm_90` on Hopper, the device's own arch
+elsewhere) once per process, and CuPy keeps the binaries in its on-disk cache (~/.cupy/kernel_cache), so
+later processes load them without compiling. Every launch goes on torch's current stream (an ExternalStream
+over its handle), so that kernels order with torch's own work and are captured by torch.cuda.CUDAGraph.
+Ops without a kernel yet (prefill attention, standalone rotary / KV write) run the torch reference on the GPU.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import reference
+from .metadata import AttentionMetadata
+
+CSRC = Path(__file__).parent / "csrc"
+SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+DECODE_PARTITION = 512          # context tokens per block of the split decode kernel
+DECODE_THREADS = 128            # NUM_THREADS in paged_attention_decode.cu
+MAX_GQA = 16                    # MAX_G there: query heads per KV head
+
+rotary_embedding = reference.rotary_embedding
+write_kv = reference.write_kv
+
+
+@functools.cache
+def _module(name: str):
+    import cupy as cp
+
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"-arch=sm_{major}{minor}"
+    return cp.RawModule(code=(CSRC / f"{name}.cu").read_text(), options=("--std=c++17", f"-I{CSRC}", arch))
+
+
+@functools.cache
+def _kernel(module: str, name: str, dtype: torch.dtype):
+    return _module(module).get_function(f"{name}_{SUFFIX[dtype]}")
+
+
+@functools.cache
+def _stream(handle: int, device: int):
+    import cupy as cp
+
+    return cp.cuda.ExternalStream(handle, device)
+
+
+def _ptr(t: torch.Tensor) -> np.uint64:
+    return np.uint64(t.data_ptr())
+
+
+def _launch(module: str, name: str, dtype: torch.dtype, grid: tuple, block: tuple, args: tuple,
+            shared_mem: int = 0) -> None:
+    k = _kernel(module, name, dtype)
+    if shared_mem > 48 * 1024:
+        k.max_dynamic_shared_size_bytes = shared_mem
+    stream = torch.cuda.current_stream()
+    with _stream(stream.cuda_stream, stream.device_index):
+        k(grid, block, args, shared_mem=shared_mem)
+
+
+def _rows(x: torch.Tensor) -> tuple[int, int]:
+    """Row count and row stride of a [T, H] tensor whose rows are contiguous."""
+    assert x.dim() == 2 and x.stride(-1) == 1, f"rows must be contiguous, got strides {x.stride()}"
+    return x.shape[0], x.stride(0)
+
+
+def _threads(n: int) -> int:
+    return min(1024, max(32, (n + 31) // 32 * 32))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    t, stride = _rows(x)
+    h = x.shape[1]
+    out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    if t:
+        _launch("norms", "rms_norm", x.dtype, (t,), (_threads(h // 4),),
+                (_ptr(x), _ptr(weight.contiguous()), _ptr(out), np.int32(h), np.int64(stride), np.float32(eps)),
+                shared_mem=h * 4)
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    t, xs = _rows(x)
+    _, rs = _rows(residual)
+    h = x.shape[1]
+    out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    res = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    if t:
+        _launch("norms", "fused_add_rms_norm", x.dtype, (t,), (_threads(h // 4),),
+                (_ptr(x), _ptr(residual), _ptr(weight.contiguous()), _ptr(out), _ptr(res), np.int32(h),
+                 np.int64(xs), np.int64(rs), np.float32(eps)), shared_mem=h * 4)
+    return out, res
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    t, stride = _rows(x)
+    f = x.shape[1] // 2
+    out = torch.empty((t, f), dtype=x.dtype, device=x.device)
+    if t:
+        threads = 256
+        _launch("activation", "silu_and_mul", x.dtype, (min(-(-f // threads), 64), t), (threads,),
+                (_ptr(x), _ptr(out), np.int32(f), np.int64(stride)))
+    return out
+
+
+def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> torch.Tensor:
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        assert x.stride(2) == 1 and x.stride(1) == d, f"{name}: heads must be contiguous, got strides {x.stride()}"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == q.dtype
+    q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    if t:
+        _launch("rotary_kv", "rotary_write_kv", q.dtype, (t,), (_threads(max(hq, hkv) * d // 2),),
+                (_ptr(positions.contiguous()), _ptr(q), _ptr(k), _ptr(v), _ptr(cos_sin), _ptr(q_out), _ptr(k_cache),
+                 _ptr(v_cache), _ptr(slot_mapping.contiguous()), np.int32(hq), np.int32(hkv), np.int32(d),
+                 np.int64(q.stride(0)), np.int64(k.stride(0)), np.int64(v.stride(0))))
+    return q_out
+
+
+def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int,
+                           scale: float, out: torch.Tensor | None = None,
+                           partition: int = DECODE_PARTITION) -> torch.Tensor:
+    """Decode attention: q [S, Hq, D] (one token per sequence) over each sequence's cached keys →
+    [S, Hq, D]. block_tables [S, max_blocks] and context_lens [S] int64 on the GPU."""
+    s, hq, d = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    g = hq // hkv
+    assert hq % hkv == 0 and g <= MAX_GQA and d % 2 == 0 and d <= 256, (hq, hkv, d)
+    assert q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
+    out = torch.empty_like(q) if out is None else out
+    if s == 0:
+        return out
+    splits = max(1, -(-max_context_len // partition))
+    groups = max(1, DECODE_THREADS // d)
+    smem = 4 * (g * d + g * partition + 2 * partition + 32 + groups * g * d)
+    if splits > 1:
+        part_out = torch.empty((s, hq, splits, d), dtype=torch.float32, device=q.device)
+        part_max = torch.empty((s, hq, splits), dtype=torch.float32, device=q.device)
+        part_sum = torch.empty((s, hq, splits), dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_max = part_sum = out                   # unused with one split
+    bt = block_tables.contiguous()
+    cl = context_lens.contiguous()
+    _launch("paged_attention_decode", "paged_attention_decode", q.dtype, (s, hkv, splits), (DECODE_THREADS,),
+            (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(bt), _ptr(cl), _ptr(out), _ptr(part_out), _ptr(part_max),
+             _ptr(part_sum), np.int32(hq), np.int32(hkv), np.int32(d), np.int32(bs), np.int32(bt.shape[1]),
+             np.int32(partition), np.float32(scale)), shared_mem=smem)
+    if splits > 1:
+        _launch("paged_attention_decode", "paged_attention_reduce", q.dtype, (s, hq), (_threads(d),),
+                (_ptr(part_out), _ptr(part_max), _ptr(part_sum), _ptr(out), np.int32(hq), np.int32(d),
+                 np.int32(splits)))
+    return out
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """As reference.paged_attention: decodes through the split kernel, prompt chunks through the reference."""
+    nd = meta.num_decodes
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    if nd:
+        paged_attention_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd],
+                               max(meta.context_lens_host[:nd]), scale, out=out[:nd])
+    if nd < len(meta.query_lens):
+        reference.prefill_attention(q, k_cache, v_cache, meta, scale, out)
+    return out

@@ -1,0 +1,179 @@
+"""Every CuPy/CUDA kernel against its torch reference in fp32, on fresh random data with poisoned outputs:
+relative error ‖out − ref‖ / ‖ref‖ ≤ 1e-2 in bf16 and ≤ 1e-3 in fp16 (fp32: 1e-5)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+cupy = pytest.importorskip("cupy")
+
+from mii_async.kernels import cuda as K  # noqa: E402
+from mii_async.kernels import reference as R  # noqa: E402
+from mii_async.kernels.metadata import AttentionMetadata  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "non-finite values (poison left in the output?)"
+    return (torch.linalg.norm(out.float() - ref.float()) / torch.linalg.norm(ref.float())).item()
+
+
+def poison() -> None:
+    """Fills the caching allocator's free memory with NaN, so that an output the kernel forgot is caught."""
+    x = torch.full((256 << 20,), float("nan"), device="cuda")
+    del x
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,h", [(1, 64), (7, 576), (300, 4096), (33, 5120), (2, 8192)])
+def test_norms(dtype, t, h):
+    """rms_norm and fused_add_rms_norm, rows of many widths, strided input rows included."""
+    x = torch.randn(t, 2 * h, device="cuda").to(dtype)[:, :h]      # strided rows
+    res = torch.randn(t, h, device="cuda").to(dtype)
+    w = (1 + 0.1 * torch.randn(h, device="cuda")).to(dtype)
+    poison()
+    out = K.rms_norm(x, w, 1e-5)
+    assert rel(out, R.rms_norm(x.float(), w.float(), 1e-5)) < TOL[dtype]
+    poison()
+    out, new_res = K.fused_add_rms_norm(x, res, w, 1e-6)
+    ref_out, ref_res = R.fused_add_rms_norm(x.float(), res.float(), w.float(), 1e-6)
+    assert rel(out, ref_out) < TOL[dtype] and rel(new_res, ref_res) < TOL[dtype]
+    same_dtype = R.fused_add_rms_norm(x, res, w, 1e-6)           # rounding follows the reference's steps
+    assert rel(out, same_dtype[0]) < TOL[dtype] / 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,f", [(1, 160), (5, 1536), (257, 14336)])
+def test_silu_and_mul(dtype, t, f):
+    """silu(gate) * up over [gate | up] rows."""
+    x = torch.randn(t, 2 * f, device="cuda").to(dtype) * 3
+    poison()
+    assert rel(K.silu_and_mul(x), R.silu_and_mul(x.float())) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (9, 3, 64), (8, 8, 64), (28, 4, 128)])
+def test_rotary_write_kv(dtype, hq, hkv, d):
+    """Rotary on q and k of a fused QKV projection, k and v written at their slots, every other slot untouched;
+    positions up to 32k."""
+    from mii_async.workers.models.rope import cos_sin_cache, inv_frequencies
+
+    t, num_blocks, bs = 37, 64, 16
+    cos_sin = cos_sin_cache(inv_frequencies(d, 500000.0, None), 32768, torch.device("cuda"))
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda").to(dtype)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
+    q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+    positions = torch.randint(0, 32768, (t,), device="cuda")
+    slots = torch.randperm(num_blocks * bs, device="cuda")[:t]
+    kc = torch.full((num_blocks, bs, hkv, d), float("nan"), device="cuda", dtype=dtype)
+    vc = kc.clone()
+    ref_k, ref_v = kc.float().clone(), vc.float().clone()
+    poison()
+    q_out = K.rotary_write_kv(positions, q, k, v, cos_sin, kc, vc, slots)
+    ref_q = R.rotary_write_kv(positions, q.float(), k.float(), v.float(), cos_sin, ref_k, ref_v, slots)
+    assert rel(q_out, ref_q) < TOL[dtype]
+    flat = slots.tolist()
+    written = torch.zeros(num_blocks * bs, dtype=torch.bool, device="cuda")
+    written[flat] = True
+    assert torch.isnan(kc.view(-1, hkv, d)[~written]).all() and torch.isnan(vc.view(-1, hkv, d)[~written]).all()
+    assert rel(kc.view(-1, hkv, d)[flat], ref_k.view(-1, hkv, d)[flat]) < TOL[dtype]
+    assert torch.equal(vc.view(-1, hkv, d)[flat].float(), ref_v.view(-1, hkv, d)[flat])
+
+
+def _paged(context_lens: list[int], hkv: int, d: int, bs: int, dtype: torch.dtype, seed: int):
+    """Random caches holding each sequence's keys in randomly placed blocks; the block tables."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    nbs = [-(-c // bs) for c in context_lens]
+    total = sum(nbs) + 3
+    kc = torch.randn(total, bs, hkv, d, device="cuda", generator=g).to(dtype)
+    vc = torch.randn(total, bs, hkv, d, device="cuda", generator=g).to(dtype)
+    perm = torch.randperm(total, device="cuda", generator=g).tolist()
+    width = max(nbs)
+    tables, at = [], 0
+    for nb in nbs:
+        tables.append(perm[at:at + nb] + [0] * (width - nb))
+        at += nb
+    return kc, vc, torch.tensor(tables, device="cuda")
+
+
+def _meta(query_lens, context_lens, tables):
+    qsl = [0]
+    for n in query_lens:
+        qsl.append(qsl[-1] + n)
+    nd = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
+    dev = tables.device
+    return AttentionMetadata(torch.zeros(sum(query_lens), dtype=torch.int64, device=dev), tables,
+                             torch.tensor(context_lens, device=dev), torch.tensor(qsl, device=dev), nd,
+                             max(context_lens), list(query_lens), list(context_lens))
+
+
+DECODE_CASES = [  # (context lengths, Hq, Hkv, D, block size)
+    ([1], 32, 8, 128, 16),
+    ([5, 17, 512, 513, 1024, 1025], 32, 8, 128, 16),
+    ([32768], 32, 8, 128, 16),
+    ([32768, 3, 20000], 9, 3, 64, 32),
+    ([random.Random(0).randrange(1, 4096) for _ in range(64)], 32, 8, 128, 16),
+    ([100, 2000, 7], 8, 8, 64, 16),
+    ([300, 4000], 16, 1, 128, 16),
+    ([777, 9], 28, 4, 128, 32),
+    ([250, 60], 8, 2, 256, 16),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", range(len(DECODE_CASES)))
+def test_paged_attention_decode(dtype, case):
+    """Split (flash-decoding) paged attention for decode vs the reference: contexts 1 … 32k, partition edges,
+    GQA ratios 1 … 16, head dims 64 … 256, block sizes 16 and 32, ragged batches."""
+    clens, hq, hkv, d, bs = DECODE_CASES[case]
+    kc, vc, tables = _paged(clens, hkv, d, bs, dtype, seed=case)
+    q = torch.randn(len(clens), hq, d, device="cuda").to(dtype)
+    meta = _meta([1] * len(clens), clens, tables)
+    ref = R.paged_attention(q.float(), kc.float(), vc.float(), meta, d ** -0.5)
+    poison()
+    out = K.paged_attention(q, kc, vc, meta, d ** -0.5)
+    assert rel(out, ref) < TOL[dtype], (clens[:4], hq, hkv, d)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mixed_batch_attention(dtype):
+    """A SplitFuse batch (decodes first, then prompt chunks attending to earlier chunks) matches the reference."""
+    qlens, clens = [1, 1, 1, 40, 7, 300], [900, 5, 64, 40, 77, 1300]
+    kc, vc, tables = _paged(clens, 8, 128, 16, dtype, seed=7)
+    q = torch.randn(sum(qlens), 32, 128, device="cuda").to(dtype)
+    meta = _meta(qlens, clens, tables)
+    ref = R.paged_attention(q.float(), kc.float(), vc.float(), meta, 128 ** -0.5)
+    poison()
+    assert rel(K.paged_attention(q, kc, vc, meta, 128 ** -0.5), ref) < TOL[dtype]
+
+
+def test_kernels_are_captured_by_cuda_graphs():
+    """The decode attention and norm kernels launched on torch's stream are captured and replayed by a graph."""
+    clens = [700, 30]
+    kc, vc, tables = _paged(clens, 8, 128, 16, torch.bfloat16, seed=3)
+    q = torch.randn(2, 32, 128, device="cuda").to(torch.bfloat16)
+    w = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
+    meta = _meta([1, 1], clens, tables)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        K.paged_attention(q, kc, vc, meta, 0.1)                   # warm-up: compile outside the capture
+        K.rms_norm(q.view(2, 4096), w, 1e-5)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = K.paged_attention(q, kc, vc, meta, 0.1)
+        normed = K.rms_norm(out.view(2, 4096), w, 1e-5)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = R.paged_attention(q.float(), kc.float(), vc.float(), meta, 0.1)
+    assert rel(out, ref) < 1e-2
+    assert rel(normed, R.rms_norm(ref.view(2, 4096), w.float(), 1e-5)) < 1e-2
