@@ -4,7 +4,8 @@ Kernels are compiled from csrc/*.cu by CuPy (NVRTC, `-arch=sm_90` on Hopper, the
 elsewhere) once per process, and CuPy keeps the binaries in its on-disk cache (~/.cupy/kernel_cache), so
 later processes load them without compiling. Every launch goes on torch's current stream (an ExternalStream
 over its handle), so that kernels order with torch's own work and are captured by torch.cuda.CUDAGraph.
-Ops without a kernel yet (prefill attention, standalone rotary / KV write) run the torch reference on the GPU.
+Ops without a kernel yet (prefill attention, standalone rotary / KV write), and decode shapes the kernel does not
+handle (`decode_supported`), run the torch reference on the GPU.
 """
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from .metadata import AttentionMetadata
 
 CSRC = Path(__file__).parent / "csrc"
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
-DECODE_PARTITION = 512          # context tokens per block of the split decode kernel
 DECODE_THREADS = 128            # NUM_THREADS in paged_attention_decode.cu
 MAX_GQA = 16                    # MAX_G there: query heads per KV head
 
@@ -46,6 +46,11 @@ def _stream(handle: int, device: int):
     import cupy as cp
 
     return cp.cuda.ExternalStream(handle, device)
+
+
+@functools.cache
+def _sm_count() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
 def _ptr(t: torch.Tensor) -> np.uint64:
@@ -125,23 +130,31 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     return q_out
 
 
+def decode_supported(num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Shapes the decode kernel handles: head dims 32 … 256 in steps of 32, up to MAX_GQA query heads per KV
+    head. (Others — the tests' tiny models have head dim 8 — take the reference.)"""
+    return (num_q_heads % num_kv_heads == 0 and num_q_heads // num_kv_heads <= MAX_GQA and head_dim % 32 == 0
+            and 32 <= head_dim <= 256)
+
+
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int,
                            scale: float, out: torch.Tensor | None = None,
-                           partition: int = DECODE_PARTITION) -> torch.Tensor:
+                           partition: int | None = None) -> torch.Tensor:
     """Decode attention: q [S, Hq, D] (one token per sequence) over each sequence's cached keys →
     [S, Hq, D]. block_tables [S, max_blocks] and context_lens [S] int64 on the GPU."""
     s, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     g = hq // hkv
-    assert hq % hkv == 0 and g <= MAX_GQA and d % 2 == 0 and d <= 256, (hq, hkv, d)
+    assert decode_supported(hq, hkv, d), f"no decode kernel for Hq={hq}, Hkv={hkv}, D={d}"
     assert q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
     out = torch.empty_like(q) if out is None else out
     if s == 0:
         return out
+    if partition is None:           # fill the GPU: the longest partition that still gives 2 blocks per SM
+        partition = next((p for p in (512, 256) if s * hkv * -(-max_context_len // p) >= 2 * _sm_count()), 128)
     splits = max(1, -(-max_context_len // partition))
-    groups = max(1, DECODE_THREADS // d)
-    smem = 4 * (g * d + g * partition + 2 * partition + 32 + groups * g * d)
+    smem = 4 * (g * d + g * partition + 32) + 8 * partition + 4 * (DECODE_THREADS // 32) * g * d
     if splits > 1:
         part_out = torch.empty((s, hq, splits, d), dtype=torch.float32, device=q.device)
         part_max = torch.empty((s, hq, splits), dtype=torch.float32, device=q.device)
@@ -167,6 +180,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     nd = meta.num_decodes
     q = q.contiguous()
     out = torch.empty_like(q)
+    if nd and not decode_supported(q.shape[1], k_cache.shape[2], q.shape[2]):
+        return reference.paged_attention(q, k_cache, v_cache, meta, scale)
     if nd:
         paged_attention_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd],
                                max(meta.context_lens_host[:nd]), scale, out=out[:nd])

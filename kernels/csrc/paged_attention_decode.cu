@@ -2,36 +2,40 @@
 // (flash-decoding) so that few sequences with long contexts still fill the GPU.
 //
 // Grid (num_seqs, num_kv_heads, num_splits), NUM_THREADS threads. One block takes one KV head, the G = Hq/Hkv
-// query heads that share it (GQA: each K/V row is read once for all G), and one partition of PARTITION context
-// tokens. Scores, softmax and the weighted sum of V are in fp32. With one split the block writes the output;
-// otherwise it writes its partition's (max, sum, normalised output) and paged_attention_reduce combines them.
-// Caches are [num_blocks, block_size, Hkv, D]; block_tables [num_seqs, max_blocks] int64; context_lens int64.
+// query heads that share it (GQA: each K/V row is read once for all G), and one partition of `partition`
+// context tokens. Scores, softmax and the weighted sum of V are in fp32. With one split the block writes the
+// output; otherwise it writes its partition's (max, sum, normalised output) and paged_attention_reduce
+// combines them. Caches are [num_blocks, block_size, Hkv, D]; block_tables [num_seqs, max_blocks] int64.
+//
+//   QK:  a group of 4 lanes takes one token (8 tokens per warp at once); lane j of the group loads 16-byte
+//        chunks j, j+4, … of the key row (coalesced 64 B per group), dots them with the G queries held in
+//        shared memory, and the group sums over 2 shuffles.
+//   softmax: warp w takes query heads w, w+4, … (warp reductions only).
+//   PV:  warps take tokens in turn; each lane owns D/32 consecutive dims of the value row (coalesced), for
+//        up to 4 query heads at a time; the warps' partial sums meet in shared memory.
 #include "common.cuh"
 
 #define NUM_THREADS 128
+#define NUM_WARPS (NUM_THREADS / 32)
 #define MAX_G 16
+#define LANES_PER_TOKEN 4
 #define NEG_INF (-3.0e38f)
 
-__device__ __forceinline__ float block_max(float v, float* red) {
-  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  v = warp_max(v);
-  if (lane == 0) red[warp] = v;
-  __syncthreads();
-  v = NEG_INF;
-  for (int i = 0; i < NUM_THREADS / 32; ++i) v = fmaxf(v, red[i]);
-  __syncthreads();
-  return v;
-}
+// 16 bytes of a cache row as floats: 8 elements of a 16-bit type, 4 of float.
+template <typename D> struct Chunk { static constexpr int N = 8; };
+template <> struct Chunk<F32> { static constexpr int N = 4; };
 
-__device__ __forceinline__ float block_total(float v, float* red) {
-  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  v = warp_sum(v);
-  if (lane == 0) red[warp] = v;
-  __syncthreads();
-  v = 0.f;
-  for (int i = 0; i < NUM_THREADS / 32; ++i) v += red[i];
-  __syncthreads();
-  return v;
+template <typename D>
+__device__ __forceinline__ void load_chunk(const typename D::T* p, float* out) {
+  uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const unsigned short* h = reinterpret_cast<const unsigned short*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[i] = Cvt<D>::load(h[i]);
+}
+template <>
+__device__ __forceinline__ void load_chunk<F32>(const float* p, float* out) {
+  float4 raw = *reinterpret_cast<const float4*>(p);
+  out[0] = raw.x; out[1] = raw.y; out[2] = raw.z; out[3] = raw.w;
 }
 
 template <typename D>
@@ -41,13 +45,15 @@ __device__ void decode_partition(const typename D::T* __restrict__ q, const type
                                  float* __restrict__ part_out, float* __restrict__ part_max,
                                  float* __restrict__ part_sum, int num_q_heads, int num_kv_heads, int head_dim,
                                  int block_size, int max_blocks, int partition, float scale) {
+  constexpr int CN = Chunk<D>::N;
   const int seq = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, num_splits = gridDim.z;
   const int G = num_q_heads / num_kv_heads;
   const int ctx = (int)context_lens[seq];
   const int start = split * partition;
   const int end = min(start + partition, ctx);
+  const int n = end - start;
   const long long part_row = ((long long)seq * num_q_heads + kvh * G) * num_splits + split;  // head g adds g*num_splits
-  if (start >= ctx) {                           // an empty partition of a shorter sequence
+  if (n <= 0) {                                  // an empty partition of a shorter sequence
     if (threadIdx.x < G) {
       part_max[part_row + threadIdx.x * num_splits] = NEG_INF;
       part_sum[part_row + threadIdx.x * num_splits] = 0.f;
@@ -55,97 +61,143 @@ __device__ void decode_partition(const typename D::T* __restrict__ q, const type
     return;
   }
   extern __shared__ float smem[];
-  float* q_s = smem;                            // [G, D] the queries, fp32
-  float* scores = q_s + G * head_dim;           // [G, partition]
-  long long* rows = (long long*)(scores + G * partition);   // [partition] cache row of each token
-  float* red = (float*)(rows + partition);      // [32] reductions
-  float* acc_s = red + 32;                      // [groups, G, D] partial outputs
-  const long long kv_stride = (long long)num_kv_heads * head_dim;   // elements per cache row (token)
+  float* q_s = smem;                             // [G, D] the queries, fp32
+  float* scores = q_s + G * head_dim;            // [G, partition] scores, then probabilities
+  float* stat = scores + G * partition;          // [2, G] max and sum per query head
+  long long* rows = (long long*)(stat + 2 * MAX_G);   // [partition] element offset of each token's K/V row
+  float* acc_s = (float*)(rows + partition);     // [NUM_WARPS, G, D] partial outputs
+  const long long kv_stride = (long long)num_kv_heads * head_dim;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
   for (int j = threadIdx.x; j < G * head_dim; j += NUM_THREADS)
     q_s[j] = Cvt<D>::load(q[((long long)seq * num_q_heads + kvh * G) * head_dim + j]);
-  for (int t = start + threadIdx.x; t < end; t += NUM_THREADS) {
+  for (int i = threadIdx.x; i < n; i += NUM_THREADS) {
+    int t = start + i;
     long long block = block_tables[(long long)seq * max_blocks + t / block_size];
-    rows[t - start] = (block * block_size + t % block_size) * kv_stride + (long long)kvh * head_dim;
+    rows[i] = (block * block_size + t % block_size) * kv_stride + (long long)kvh * head_dim;
   }
   __syncthreads();
 
-  // Scores: each warp takes a token at a time; lanes split the head dim; G dot products per token.
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int t = start + warp; t < end; t += NUM_THREADS / 32) {
-    const typename D::T* kp = k_cache + rows[t - start];
-    float kv[8];                                // head_dim <= 256
+  // QK
+  const int sub = lane % LANES_PER_TOKEN;        // this lane's place in its token group
+  const int chunks = head_dim / CN;              // 16-byte chunks per row
+  // Each group takes two tokens per pass (STRIDE apart), loading both rows before the arithmetic, so that
+  // more loads are in flight.
+  constexpr int TOKENS_PER_WARP = 32 / LANES_PER_TOKEN;
+  constexpr int STRIDE = NUM_THREADS / LANES_PER_TOKEN;
+  for (int base = warp * TOKENS_PER_WARP; base < n; base += 2 * STRIDE) {        // warp-uniform
+    const int ia = base + lane / LANES_PER_TOKEN, ib = ia + STRIDE;
+    const bool va = ia < n, vb = ib < n;
+    const typename D::T* kpa = k_cache + (va ? rows[ia] : 0);
+    const typename D::T* kpb = k_cache + (vb ? rows[ib] : 0);
+    float da[MAX_G], db[MAX_G];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) kv[e] = (lane + 32 * e < head_dim) ? Cvt<D>::load(kp[lane + 32 * e]) : 0.f;
+    for (int g = 0; g < MAX_G; ++g) da[g] = db[g] = 0.f;
+#pragma unroll 2
+    for (int c = sub; c < chunks; c += LANES_PER_TOKEN) {
+      float ka[CN], kb[CN];
+      if (va) load_chunk<D>(kpa + c * CN, ka);
+      else
+#pragma unroll
+        for (int e = 0; e < CN; ++e) ka[e] = 0.f;
+      if (vb) load_chunk<D>(kpb + c * CN, kb);
+      else
+#pragma unroll
+        for (int e = 0; e < CN; ++e) kb[e] = 0.f;
+#pragma unroll
+      for (int g = 0; g < MAX_G; ++g) {
+        if (g < G) {
+          const float* qg = q_s + g * head_dim + c * CN;
+#pragma unroll
+          for (int e = 0; e < CN; ++e) {
+            da[g] += qg[e] * ka[e];
+            db[g] += qg[e] * kb[e];
+          }
+        }
+      }
+    }
 #pragma unroll
     for (int g = 0; g < MAX_G; ++g) {
-      if (g < G) {
-        float dot = 0.f;
+      if (g < G) {                               // G is block-uniform: every lane shuffles
+        float x = da[g], y = db[g];
+        x += __shfl_xor_sync(0xffffffffu, x, 1);
+        y += __shfl_xor_sync(0xffffffffu, y, 1);
+        x += __shfl_xor_sync(0xffffffffu, x, 2);
+        y += __shfl_xor_sync(0xffffffffu, y, 2);
+        if (sub == 0) {
+          if (va) scores[g * partition + ia] = x * scale;
+          if (vb) scores[g * partition + ib] = y * scale;
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  // softmax per query head, one warp per head
+  for (int g = warp; g < G; g += NUM_WARPS) {
+    float* sg = scores + g * partition;
+    float mx = NEG_INF;
+    for (int i = lane; i < n; i += 32) mx = fmaxf(mx, sg[i]);
+    mx = warp_max(mx);
+    float sum = 0.f;
+    for (int i = lane; i < n; i += 32) {
+      float p = __expf(sg[i] - mx);
+      sg[i] = p;
+      sum += p;
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) {
+      stat[g] = mx;
+      stat[MAX_G + g] = sum;
+    }
+  }
+  __syncthreads();
+
+  // PV: lane owns dims [lane * per_lane, (lane + 1) * per_lane)
+  const int per_lane = head_dim / 32;            // 2 … 8
+  const int d0 = lane * per_lane;
+  for (int g0 = 0; g0 < G; g0 += 4) {
+    float acc[4][8];
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[a][e] = 0.f;
+#pragma unroll 2
+    for (int i = warp; i < n; i += NUM_WARPS) {
+      const typename D::T* vp = v_cache + rows[i] + d0;
+      float vf[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) vf[e] = e < per_lane ? Cvt<D>::load(vp[e]) : 0.f;
+#pragma unroll
+      for (int a = 0; a < 4; ++a) {
+        if (g0 + a < G) {
+          float p = scores[(g0 + a) * partition + i];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[a][e] += p * vf[e];
+        }
+      }
+    }
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+      if (g0 + a < G)
 #pragma unroll
         for (int e = 0; e < 8; ++e)
-          if (lane + 32 * e < head_dim) dot += q_s[g * head_dim + lane + 32 * e] * kv[e];
-        dot = warp_sum(dot);
-        if (lane == 0) scores[g * partition + (t - start)] = dot * scale;
-      }
-    }
-  }
-  __syncthreads();
-
-  // Softmax over the partition, per query head.
-  float m[MAX_G], l[MAX_G];
-#pragma unroll
-  for (int g = 0; g < MAX_G; ++g) {
-    if (g < G) {
-      float mx = NEG_INF;
-      for (int i = threadIdx.x; i < end - start; i += NUM_THREADS) mx = fmaxf(mx, scores[g * partition + i]);
-      m[g] = block_max(mx, red);
-      float sum = 0.f;
-      for (int i = threadIdx.x; i < end - start; i += NUM_THREADS) {
-        float p = __expf(scores[g * partition + i] - m[g]);
-        scores[g * partition + i] = p;
-        sum += p;
-      }
-      l[g] = block_total(sum, red);
-    }
-  }
-  __syncthreads();
-
-  // Weighted sum of V: thread groups of head_dim threads split the tokens; each thread owns one dim.
-  const int groups = NUM_THREADS >= head_dim ? NUM_THREADS / head_dim : 1;
-  const int group = threadIdx.x / head_dim;     // 0 for every thread when head_dim > NUM_THREADS
-  if (group < groups) {
-    for (int d = threadIdx.x % head_dim; d < head_dim; d += NUM_THREADS) {
-      float acc[MAX_G];
-#pragma unroll
-      for (int g = 0; g < MAX_G; ++g) acc[g] = 0.f;
-      for (int t = start + group; t < end; t += groups) {
-        float v = Cvt<D>::load(v_cache[rows[t - start] + d]);
-#pragma unroll
-        for (int g = 0; g < MAX_G; ++g)
-          if (g < G) acc[g] += scores[g * partition + (t - start)] * v;
-      }
-#pragma unroll
-      for (int g = 0; g < MAX_G; ++g)
-        if (g < G) acc_s[(group * G + g) * head_dim + d] = acc[g];
-    }
+          if (e < per_lane) acc_s[(warp * G + g0 + a) * head_dim + d0 + e] = acc[a][e];
   }
   __syncthreads();
   for (int j = threadIdx.x; j < G * head_dim; j += NUM_THREADS) {
     int g = j / head_dim, d = j % head_dim;
     float total = 0.f;
-    for (int gr = 0; gr < groups; ++gr) total += acc_s[(gr * G + g) * head_dim + d];
-    // m and l live in every thread's registers (block reductions), so any thread may normalise.
-    float lg = 0.f, mg = 0.f;
 #pragma unroll
-    for (int gg = 0; gg < MAX_G; ++gg)
-      if (gg == g) { lg = l[gg]; mg = m[gg]; }
+    for (int w = 0; w < NUM_WARPS; ++w) total += acc_s[(w * G + g) * head_dim + d];
+    float l = stat[MAX_G + g];
     if (num_splits == 1) {
-      out[((long long)seq * num_q_heads + kvh * G + g) * head_dim + d] = Cvt<D>::store(total / lg);
+      out[((long long)seq * num_q_heads + kvh * G + g) * head_dim + d] = Cvt<D>::store(total / l);
     } else {
-      part_out[(part_row + g * num_splits) * head_dim + d] = total / lg;
+      part_out[(part_row + g * num_splits) * head_dim + d] = total / l;
       if (d == 0) {
-        part_max[part_row + g * num_splits] = mg;
-        part_sum[part_row + g * num_splits] = lg;
+        part_max[part_row + g * num_splits] = stat[g];
+        part_sum[part_row + g * num_splits] = l;
       }
     }
   }

@@ -71,8 +71,12 @@ def main(argv: list[str] | None = None) -> None:
                                  torch.full((s,), ctx, device="cuda"), torch.arange(s + 1, device="cuda"), s, ctx,
                                  [1] * s, [ctx] * s)
         floor = 2 * s * ctx * 8 * 128 * es / BANDWIDTH * 1e6
+        ref_us = timed(lambda: R.paged_attention(q, kc, vc, meta, 0.088))
         rows.append((f"decode attention S={s} ctx={ctx}", timed(lambda: K.paged_attention(q, kc, vc, meta, 0.088)),
-                     timed(lambda: R.paged_attention(q, kc, vc, meta, 0.088)), floor))
+                     ref_us, floor))
+        for part in (128, 256, 512):
+            rows.append((f"  partition {part}", timed(lambda: K.paged_attention_decode(
+                q, kc, vc, tables, meta.context_lens, ctx, 0.088, partition=part)), ref_us, floor))
     print(f"{'op (' + a.dtype + ')':<36}{'cuda µs':>10}{'torch µs':>10}{'floor µs':>10}{'% of floor':>12}")
     for name, ours, ref, floor in rows:
         print(f"{name:<36}{ours:>10.1f}{ref:>10.1f}{floor:>10.2f}{100 * floor / ours:>11.0f}%")
