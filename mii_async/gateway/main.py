@@ -114,8 +114,11 @@ def main(argv: list[str] | None = None) -> int:
             os.write(a.status_fd, (json.dumps(status) + "\n").encode())
             os.close(a.status_fd)
 
-    return run_uvloop(run_gateway(a.router, http, on_ready, curve_dir=a.curve_dir, tokenizer=a.tokenizer,
-                                  drain_s=a.drain_timeout, lifeline_fd=a.lifeline_fd))
+    try:
+        return run_uvloop(run_gateway(a.router, http, on_ready, curve_dir=a.curve_dir, tokenizer=a.tokenizer,
+                                      drain_s=a.drain_timeout, lifeline_fd=a.lifeline_fd))
+    except KeyboardInterrupt:       # uvicorn re-raises the SIGINT it shut down on (Ctrl-C hits the whole group)
+        return 0
 
 
 if __name__ == "__main__":

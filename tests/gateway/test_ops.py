@@ -135,11 +135,23 @@ async def _queued(client, n: int) -> bool:
     return s["running"] + s["waiting"] == n
 
 
-def test_health_is_503_without_a_live_replica(small):
-    """kill -9 of the only worker: /health answers 503 until the replacement is ready, then 200 again."""
+def test_worker_death_mid_stream_and_health(small):
+    """kill -9 of the only worker during an SSE stream: the stream ends with an error event, then [DONE];
+    /health answers 503 until the replacement is ready, then 200 again."""
+    import json
+
     url, headers = small.http_url, {"Authorization": f"Bearer {KEY}"}
     [pid] = deployment_pids(small.run(small.health()))
-    os.kill(pid, signal.SIGKILL)
+    body = {"prompt": "Tell me a long story.", "max_tokens": 500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=60) as r:
+        lines = r.iter_lines()
+        first = next(ln for ln in lines if ln.startswith("data: "))
+        os.kill(pid, signal.SIGKILL)
+        rest = [ln for ln in lines if ln.startswith("data: ")]
+    assert "choices" in json.loads(first[6:])
+    assert rest[-1] == "data: [DONE]"
+    error = json.loads(rest[-2][6:])["error"]
+    assert error["code"] == "generation_failed" and error["type"] == "internal_error"
     deadline = time.monotonic() + 10
     codes = set()
     while time.monotonic() < deadline and 503 not in codes:
