@@ -30,7 +30,7 @@ from . import protocol as P
 from .errors import UnavailableError, error_from_code
 from .outputs import Logprob, Response, StreamChunk, Usage
 from .params import SamplingParams
-from .router.prompts import is_messages, is_token_ids
+from .router.prompts import check_token_ids, is_messages, is_token_ids
 from .transport import DealerSocket
 
 log = logging.getLogger("mii_async.client")
@@ -178,6 +178,7 @@ class AsyncClient:
         if isinstance(prompt, str):
             msg.prompt = prompt
         elif is_token_ids(prompt):
+            check_token_ids(prompt)
             msg.prompt_ids = list(prompt)
         elif is_messages(prompt):
             msg.messages = [dict(m) for m in prompt]

@@ -87,7 +87,8 @@ def _serve(a: argparse.Namespace) -> int:
     http = None
     if not a.no_http:
         http = HttpConfig(http_host=a.http_host, http_port=a.http_port, served_model_name=a.served_model_name,
-                          api_key=a.api_key or os.environ.get(API_KEY_ENV) or None)
+                          api_key=a.api_key or os.environ.get(API_KEY_ENV) or None,
+                          allowed_origins=a.allowed_origin or ())
         if http.http_port:                          # fail before the model loads, not after
             from .gateway.main import bind
 
@@ -145,8 +146,10 @@ def _gateway_config(a: argparse.Namespace) -> str:
 
     if a.api_key:
         os.environ[API_KEY_ENV] = a.api_key         # read by the gateway, kept off its config
-    HttpConfig(http_host=a.http_host, http_port=a.http_port, served_model_name=a.served_model_name)
-    return json.dumps({"http_host": a.http_host, "http_port": a.http_port, "served_model_name": a.served_model_name})
+    cfg = {"http_host": a.http_host, "http_port": a.http_port, "served_model_name": a.served_model_name,
+           "allowed_origins": a.allowed_origin or []}
+    HttpConfig(**cfg)
+    return json.dumps(cfg)
 
 
 def _http_args(p: argparse.ArgumentParser) -> None:
@@ -155,6 +158,9 @@ def _http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="required on every HTTP and WebSocket route "
                    "(default: $MII_ASYNC_API_KEY; none: open)")
     p.add_argument("--served-model-name", default=None, help="the model's name in the OpenAI API")
+    p.add_argument("--allowed-origin", action="append", default=None, metavar="ORIGIN",
+                   help="a web origin (https://app.example.com) whose pages may open the WebSocket, besides the "
+                   "gateway's own; repeatable; '*' for any")
 
 
 def _worker(a: argparse.Namespace) -> int:

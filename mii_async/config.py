@@ -184,6 +184,7 @@ class HttpConfig:
     ws_max_requests: int = 256         # live requests per WebSocket connection
     ws_ping_s: float = 20.0            # WebSocket ping period; no pong within as long: closed
     max_body_bytes: int = 8 << 20      # a larger HTTP request body: 413
+    allowed_origins: tuple[str, ...] = ()  # WebSocket Origins allowed besides the gateway's own ("*": any)
 
     def __post_init__(self) -> None:
         if not isinstance(self.http_host, str) or not self.http_host:
@@ -193,6 +194,11 @@ class HttpConfig:
             raise InvalidParameterError("http_port", f"must be a TCP port (0 for any), got {v!r}")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise InvalidParameterError("api_key", "must be a non-empty string or None")
+        origins = (self.allowed_origins,) if isinstance(self.allowed_origins, str) else self.allowed_origins
+        if not isinstance(origins, (list, tuple)) or not all(isinstance(o, str) and o for o in origins):
+            raise InvalidParameterError("allowed_origins", "must be a list of origins such as "
+                                        "'https://app.example.com', or ['*']")
+        object.__setattr__(self, "allowed_origins", tuple(o.rstrip("/") for o in origins))
         for name in ("ws_max_message_bytes", "ws_send_queue", "ws_max_requests", "max_body_bytes"):
             _pos_int(self, name)
         if isinstance(self.ws_ping_s, bool) or not isinstance(self.ws_ping_s, (int, float)) or self.ws_ping_s <= 0:

@@ -68,8 +68,7 @@ class GatewayProcess:
         from .gateway.main import API_KEY_ENV
 
         cfg = {k: v for k, v in http.to_dict().items() if k != "api_key"}
-        env = dict(os.environ)
-        env.pop(API_KEY_ENV, None)
+        env = dict(os.environ)                              # $MII_ASYNC_API_KEY, when set, passes on
         if http.api_key:
             env[API_KEY_ENV] = http.api_key                 # not on the command line, where ps shows it
         argv = [sys.executable, "-m", "mii_async.gateway", "--router", router_address, "--config", json.dumps(cfg),

@@ -14,7 +14,10 @@ from .errors import InvalidParameterError
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 1024
 MAX_STOP_STRING_LEN = 256
+MAX_INT = 2**31 - 1      # bound on counts (max_new_tokens, top_k, …): larger values mean nothing and overflow
+MAX_TOKEN_ID = 2**32 - 1 # token ids travel as uint32
 
 
 @dataclass(frozen=True)
@@ -41,13 +44,13 @@ class SamplingParams:
     do_sample: bool | None = None      # DeepSpeed-MII/HF: False forces greedy
 
     def __post_init__(self) -> None:
-        _int(self, "max_new_tokens", lo=1)
-        _int(self, "min_new_tokens", lo=0)
+        _int(self, "max_new_tokens", lo=1, hi=MAX_INT)
+        _int(self, "min_new_tokens", lo=0, hi=MAX_INT)
         if self.min_new_tokens > self.max_new_tokens:
             raise InvalidParameterError("min_new_tokens", f"{self.min_new_tokens} exceeds max_new_tokens={self.max_new_tokens}")
         _float(self, "temperature", lo=0.0, hi=100.0)
         _float(self, "top_p", lo=0.0, hi=1.0, lo_open=True)
-        _int(self, "top_k", lo=-1)
+        _int(self, "top_k", lo=-1, hi=MAX_INT)
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         _float(self, "min_p", lo=0.0, hi=1.0)
@@ -66,8 +69,10 @@ class SamplingParams:
                 raise InvalidParameterError("stop", f"each stop string must have 1 to {MAX_STOP_STRING_LEN} characters")
         object.__setattr__(self, "stop", tuple(stop))
         ids = self.stop_token_ids
-        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
-            raise InvalidParameterError("stop_token_ids", "must be a list of non-negative token ids")
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and 0 <= i <= MAX_TOKEN_ID for i in ids):
+            raise InvalidParameterError("stop_token_ids", "must be a list of token ids (integers in [0, 2**32))")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidParameterError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "return_full_text"):
             if not isinstance(getattr(self, name), bool):
@@ -118,7 +123,10 @@ def _float(p: SamplingParams, name: str, lo: float, hi: float, lo_open: bool = F
     v = getattr(p, name)
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise InvalidParameterError(name, f"must be a number, got {v!r}")
-    v = float(v)
+    try:
+        v = float(v)
+    except OverflowError:                 # an integer too large for a float
+        raise InvalidParameterError(name, f"must be in [{lo}, {hi}], got an integer of {v.bit_length()} bits") from None
     if not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
         raise InvalidParameterError(name, f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}")
     object.__setattr__(p, name, v)

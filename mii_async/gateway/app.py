@@ -15,6 +15,8 @@ from .sse import ClientGone
 from .state import GatewayState
 
 log = logging.getLogger("mii_async.gateway")
+_STARLETTE_CODES = {404: ("not_found_error", "not_found"), 405: ("invalid_request_error", "method_not_allowed"),
+                    413: ("invalid_request_error", "request_too_large")}
 
 
 def create_app(state: GatewayState) -> FastAPI:
@@ -56,9 +58,20 @@ def create_app(state: GatewayState) -> FastAPI:
         return bad_request(param, message).response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_starlette_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
-        return HTTPError(exc.status_code, str(exc.detail), kind).response()
+    async def on_starlette_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind, code = _STARLETTE_CODES.get(exc.status_code, ("invalid_request_error", "invalid_request"))
+        if exc.status_code == 413:
+            state.metrics.refused(request.url.path, code)
+        return HTTPError(exc.status_code, str(exc.detail), kind, None, code).response()
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # A bug of ours, or a library's (a chat template that raises): an answer in OpenAI's shape, not a
+        # plain-text 500; the traceback goes to the log.
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        state.metrics.refused(request.url.path, "internal_error")
+        return HTTPError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error", None,
+                         "internal_error").response()
 
     @app.exception_handler(ClientGone)
     async def on_client_gone(_: Request, __: ClientGone) -> Response:

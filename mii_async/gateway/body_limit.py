@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from starlette.exceptions import HTTPException
+
 from .http_errors import HTTPError
 
 
@@ -28,7 +30,9 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
-                    raise _TooLarge()
+                    # Starlette's HTTPException: FastAPI re-raises it from its body parsing (where any
+                    # other exception becomes a 400), and the app's handler answers it.
+                    raise HTTPException(413, self._message())
             return message
 
         async def tracking_send(message):
@@ -39,18 +43,17 @@ class BodyLimitMiddleware:
 
         try:
             await self.app(scope, limited_receive, tracking_send)
-        except _TooLarge:
-            if not started:
-                await self._refuse(send)
+        except HTTPException as exc:
+            if exc.status_code != 413 or started:
+                raise
+            await self._refuse(send)
 
     async def _refuse(self, send) -> None:
-        err = HTTPError(413, f"the request body exceeds {self.max_bytes} bytes", "invalid_request_error", None,
-                        "request_too_large")
+        err = HTTPError(413, self._message(), "invalid_request_error", None, "request_too_large")
         body = json.dumps(err.body()).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
 
-
-class _TooLarge(Exception):
-    pass
+    def _message(self) -> str:
+        return f"the request body exceeds {self.max_bytes} bytes"

@@ -8,13 +8,14 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import InvalidParameterError
-from ..params import SamplingParams
+from ..params import MAX_LOGPROBS, SamplingParams
 from .http_errors import bad_request
 from .openai_schemas import ChatCompletionRequest, CompletionRequest, _Common
 from .state import GatewayState
 from .streams import Job
 
 MAX_N = 16
+MAX_CHOICES = 1024       # prompts × n of one request: each is an engine request
 RENAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
 
@@ -53,6 +54,9 @@ def _jobs(prompts: list[Any], params: dict[str, Any], n: int) -> list[Job]:
         from .http_errors import from_exception
 
         raise from_exception(exc, RENAME) from None
+    if len(prompts) * n > MAX_CHOICES:
+        raise bad_request("prompt" if n == 1 else "n", f"{len(prompts)} prompts × n={n} exceeds {MAX_CHOICES} "
+                          "choices in one request")
     jobs = []
     for i, prompt in enumerate(prompts):
         for j in range(n):
@@ -111,7 +115,7 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
     return out
 
 
-def chat_jobs(body: ChatCompletionRequest, state: GatewayState) -> list[Job]:
+async def chat_jobs(body: ChatCompletionRequest, state: GatewayState) -> list[Job]:
     if body.tools or body.functions:
         raise bad_request("tools" if body.tools else "functions", "tool calling is not supported")
     if body.response_format and body.response_format.get("type", "text") != "text":
@@ -120,9 +124,11 @@ def chat_jobs(body: ChatCompletionRequest, state: GatewayState) -> list[Job]:
     messages = chat_messages(body.messages)
     params = _common(body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params["max_new_tokens"] = max_tokens if max_tokens is not None else state.room_for(messages)
+    params["max_new_tokens"] = max_tokens if max_tokens is not None else await state.room_for(messages)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs", "top_logprobs needs logprobs: true")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+        raise bad_request("top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}")
     if body.logprobs:
         params["logprobs"] = body.top_logprobs or 0
     return _jobs([messages], params, n)

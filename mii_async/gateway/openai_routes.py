@@ -55,7 +55,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     s = _state(request)
     check_model(s, body.model)
     try:
-        jobs = chat_jobs(body, s)
+        jobs = await chat_jobs(body, s)
     except MIIAsyncError as exc:
         raise from_exception(exc, RENAME) from None
     return await _answer(s, request, "chat", jobs, body, chat=True)

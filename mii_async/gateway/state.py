@@ -9,11 +9,14 @@ from typing import Any
 
 from ..async_client import AsyncClient
 from ..config import HttpConfig
-from ..errors import InvalidParameterError
+from ..errors import RequestTooLongError
 from .metrics import Metrics
 
 log = logging.getLogger("mii_async.gateway")
 DEFAULT_MAX_TOKENS = 128  # for a chat request without max_tokens when the limits are not known
+CHAT_MAX_TOKENS_CAP = 4096  # a chat request without max_tokens gets the room left, up to this: the router
+                            # counts prompt + max_tokens against max_queued_tokens, so the whole context
+                            # by default would let a handful of chats fill the admission budget
 HEALTH_CACHE_S = 0.5        # /health and /metrics ask the router at most this often
 
 
@@ -72,22 +75,29 @@ class GatewayState:
                 h = {"state": "unavailable", "error": f"the router does not answer: {exc or type(exc).__name__}",
                      "replicas": []}
             self._health = (time.monotonic(), h)
+            if "error" not in h and not self.config.served_model_name and h.get("model_name"):
+                self.model_name = h["model_name"]       # follows the router (a restarted deployment)
             return h
 
-    def room_for(self, messages: list[dict[str, str]]) -> int:
+    async def room_for(self, messages: list[dict[str, str]]) -> int:
         """max_tokens for a chat request that names none: what is left of the context (and of the KV pool)
-        after the prompt, as OpenAI and vLLM do."""
-        limits = (self._health[1] if self._health else {}).get("limits")
+        after the prompt, as OpenAI and vLLM do, up to CHAT_MAX_TOKENS_CAP. The chat template and the
+        tokenizer run off the event loop."""
+        limits = (await self.health()).get("limits")
         if not limits or self.tokenizer is None:
             return DEFAULT_MAX_TOKENS
+        context = min(limits["max_model_len"], limits["max_request_tokens"])
+        if sum(len(m["content"]) for m in messages) > 64 * context:   # no tokenizer packs 64 chars a token
+            raise RequestTooLongError("messages", f"the prompt cannot fit the context of {context} tokens")
         from ..router.prompts import PromptEncoder
 
-        _, ids = PromptEncoder(self.tokenizer).encode(messages)
-        room = min(limits["max_model_len"], limits["max_request_tokens"]) - len(ids)
+        _, ids = await asyncio.get_running_loop().run_in_executor(None, PromptEncoder(self.tokenizer).encode,
+                                                                  messages)
+        room = context - len(ids)
         if room < 1:
-            raise InvalidParameterError("messages", f"the prompt ({len(ids)} tokens) leaves no room in the "
-                                        f"context of {limits['max_model_len']} tokens")
-        return room
+            raise RequestTooLongError("messages", f"the prompt ({len(ids)} tokens) leaves no room in the "
+                                      f"context of {context} tokens")
+        return min(room, CHAT_MAX_TOKENS_CAP)
 
     def token_text(self, token_id: int) -> str:
         if self.tokenizer is None:

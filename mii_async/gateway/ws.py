@@ -34,7 +34,29 @@ CLOSE_TOO_SLOW = 1013            # "try again later": the client did not read fa
 
 @router.websocket("/v1/ws")
 async def websocket_endpoint(ws: WebSocket) -> None:
-    await WsConnection(ws.app.state.gateway, ws).run()
+    state: GatewayState = ws.app.state.gateway
+    origin = ws.headers.get("origin")
+    if origin is not None and not origin_allowed(origin, ws.headers.get("host"), state.config.allowed_origins):
+        # Browsers send Origin and let any page open a WebSocket anywhere: without this check, a page of
+        # another site could drive a gateway on the visitor's loopback. Tools that send no Origin are let in.
+        log.warning("refused a WebSocket from Origin %r (allowed: this gateway's own, %s)", origin,
+                    list(state.config.allowed_origins) or "no others")
+        await ws.close(code=1008)             # before accept: the handshake is answered 403
+        return
+    await WsConnection(state, ws).run()
+
+
+def origin_allowed(origin: str, host: str | None, allowed: tuple[str, ...]) -> bool:
+    """Same origin (the Origin's host:port is the Host the browser connected to), or listed, or "*"."""
+    from urllib.parse import urlsplit
+
+    if "*" in allowed or origin.rstrip("/") in allowed:
+        return True
+    try:
+        parts = urlsplit(origin)
+    except ValueError:
+        return False
+    return bool(host) and parts.scheme in ("http", "https") and parts.netloc.lower() == host.lower()
 
 
 class _Overflow(Exception):
@@ -46,6 +68,7 @@ class WsConnection:
         self.state, self.ws = state, ws
         self.out: asyncio.Queue[str] = asyncio.Queue(maxsize=state.config.ws_send_queue)
         self.live: dict[Any, asyncio.Task] = {}
+        self.sent: dict[Any, int] = {}   # tokens sent per live request, for an abort frame's usage
         self.closing = False
         self.overflow = asyncio.Event()
 
@@ -102,6 +125,11 @@ class WsConnection:
     def _error(self, req_id: Any, code: str, message: str, param: str | None = None) -> None:
         self.put({"type": "error", "id": req_id, "code": code, "message": message, "param": param})
 
+    def _refuse(self, req_id: Any, code: str, message: str, param: str | None = None) -> None:
+        """An error frame for a generate refused before any stream opened, counted in the metrics."""
+        self.state.metrics.requests.labels("ws", code).inc()
+        self._error(req_id, code, message, param)
+
     def _on_frame(self, frame: Any) -> None:
         if not isinstance(frame, dict):
             return self._error(None, "invalid_message", "a frame must be a JSON object")
@@ -118,45 +146,54 @@ class WsConnection:
                 task.cancel()
             return None
         if req_id in self.live:
-            return self._error(req_id, "invalid_parameter", f"id {req_id!r} is already running", "id")
+            return self._refuse(req_id, "invalid_parameter", f"id {req_id!r} is already running", "id")
         if len(self.live) >= self.state.config.ws_max_requests:
-            return self._error(req_id, "overloaded", f"at most {self.state.config.ws_max_requests} live requests "
+            return self._refuse(req_id, "overloaded", f"at most {self.state.config.ws_max_requests} live requests "
                                "per connection")
         params = {k: v for k, v in frame.items() if k not in ("type", "id", "prompt", "messages")}
         has_prompt, has_messages = "prompt" in frame, "messages" in frame
         if has_prompt == has_messages:
-            return self._error(req_id, "invalid_parameter", "give exactly one of prompt and messages", "prompt")
+            return self._refuse(req_id, "invalid_parameter", "give exactly one of prompt and messages", "prompt")
         prompt = frame["prompt"] if has_prompt else frame["messages"]
         if has_messages and not (isinstance(prompt, list) and prompt):
-            return self._error(req_id, "invalid_parameter", "messages must be a non-empty list", "messages")
+            return self._refuse(req_id, "invalid_parameter", "messages must be a non-empty list", "messages")
         try:
             SamplingParams.from_kwargs(**params)
         except InvalidParameterError as exc:
-            return self._error(req_id, "invalid_parameter", str(exc), exc.param)
-        self.live[req_id] = asyncio.ensure_future(self._generate(req_id, prompt, params))
+            return self._refuse(req_id, "invalid_parameter", str(exc), exc.param)
+        task = asyncio.ensure_future(self._generate(req_id, prompt, params))
+        self.live[req_id] = task
+        task.add_done_callback(lambda t: self._finished(req_id, t))
         return None
 
+    def _finished(self, req_id: Any, task: asyncio.Task) -> None:
+        # Here and not in _generate's finally: a cancel that arrives before the task first runs never enters
+        # _generate's body, and the id would stay "already running" with no frame sent.
+        if self.live.get(req_id) is task:
+            del self.live[req_id]
+        sent = self.sent.pop(req_id, 0)
+        if task.cancelled():
+            # A cancel frame (answered with "abort"), or the connection closing (put() then sends nothing).
+            self.put({"type": "done", "id": req_id, "finish_reason": "abort",
+                      "usage": {"prompt_tokens": None, "completion_tokens": sent}})
+
     async def _generate(self, req_id: Any, prompt: Any, params: dict[str, Any]) -> None:
-        sent = 0
         try:
             async with aclosing(self.state.metrics.track("ws", self.state.client.stream(prompt, **params))) as chunks:
                 async for c in chunks:
                     if c.token_ids or c.text:
                         self.put(_token_frame(req_id, c))
-                        sent += len(c.token_ids)
+                        self.sent[req_id] = self.sent.get(req_id, 0) + len(c.token_ids)
                     if c.finish_reason == "error":
                         self._error(req_id, "generation_failed", c.error or "generation failed")
                     elif c.finish_reason is not None:
                         self.put({"type": "done", "id": req_id, "finish_reason": c.finish_reason,
                                   "usage": c.usage.to_dict() if c.usage else None})
-        except asyncio.CancelledError:
-            # A cancel frame (answered with "abort"), or the connection closing (nothing more to send).
-            self.put({"type": "done", "id": req_id, "finish_reason": "abort",
-                      "usage": {"prompt_tokens": None, "completion_tokens": sent}})
         except MIIAsyncError as exc:
             self._error(req_id, error_code(exc), str(exc), getattr(exc, "param", None))
-        finally:
-            self.live.pop(req_id, None)
+        except Exception as exc:  # noqa: BLE001 - any failure is the client's error frame, not a silent stop
+            log.exception("WebSocket request %r failed", req_id)
+            self._error(req_id, "generation_failed", f"{type(exc).__name__}: {exc}")
 
 
 def _token_frame(req_id: Any, c: StreamChunk) -> dict:

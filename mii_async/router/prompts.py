@@ -16,6 +16,13 @@ def is_token_ids(p: Any) -> bool:
     return isinstance(p, (list, tuple)) and bool(p) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
 
 
+def check_token_ids(ids: Any, param: str = "prompt") -> None:
+    """Token ids travel as uint32: one outside [0, 2**32) is the caller's error, named, not an overflow."""
+    for t in ids:
+        if not 0 <= t < 2**32:
+            raise InvalidParameterError(param, f"token id {t} is out of range (ids are integers in [0, 2**32))")
+
+
 def is_messages(p: Any) -> bool:
     return isinstance(p, (list, tuple)) and bool(p) and all(isinstance(m, dict) for m in p)
 
@@ -29,6 +36,7 @@ class PromptEncoder:
         if isinstance(prompt, str):
             return prompt, list(self.tokenizer(prompt)["input_ids"])
         if is_token_ids(prompt):
+            check_token_ids(prompt)
             return None, list(prompt)
         if is_messages(prompt):
             text = self.apply_chat_template(list(prompt))

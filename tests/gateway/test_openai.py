@@ -100,3 +100,32 @@ def test_errors_in_openai_format(oai, model, gateway_url):
     assert e.value.body["param"] == "model"
     r = httpx.post(f"{gateway_url}/v1/chat/completions", json={"model": model, "messages": QUESTION, "n": 99})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
+def test_values_that_overflow_the_wire(oai, model, gateway_url):
+    """Token ids outside uint32 and integers too large for any count are 400s naming the parameter (not a
+    plain-text 500); so is a fan-out of prompts × n past 1024 choices; a chunked body over the limit is 413."""
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=model, prompt=[1, 2 ** 40], max_tokens=2)
+    assert e.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=model, prompt=[[5, -3]], max_tokens=2)
+    assert e.value.body["param"] == "prompt"
+    for extra in ({"top_k": 10 ** 30}, {"max_tokens": 10 ** 30}, {"temperature": 10 ** 400}, {"stop_token_ids": [-1]}):
+        r = httpx.post(f"{gateway_url}/v1/completions", json={"model": model, "prompt": "x", **extra}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(extra)), (extra, r.text)
+    r = httpx.post(f"{gateway_url}/v1/chat/completions", timeout=30,
+                   json={"model": model, "messages": QUESTION, "logprobs": True, "top_logprobs": 50})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+    r = httpx.post(f"{gateway_url}/v1/completions", json={"model": model, "prompt": ["x"] * 100, "n": 16}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+    def chunks():
+        for _ in range(10):
+            yield b" " * (1 << 20)
+
+    r = httpx.post(f"{gateway_url}/v1/completions", content=chunks(), headers={"content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    r = httpx.get(f"{gateway_url}/v1/nowhere", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"

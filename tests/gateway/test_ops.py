@@ -22,9 +22,18 @@ KEY = "s3cret-key-for-tests"
 
 @pytest.fixture(scope="module")
 def small(default_model_dir):
-    """serve(enable_http=True) with an API key, one running sequence and 2 queued requests at most."""
-    client = mii_async.serve(str(default_model_dir), kv_cache_memory=0.1, max_num_seqs=1, max_queued_requests=2,
-                             enable_http=True, http_port=0, api_key=KEY)
+    """serve(enable_http=True) with an API key (from $MII_ASYNC_API_KEY, as a user would keep it off argv), one
+    running sequence and 2 queued requests at most."""
+    old = os.environ.get("MII_ASYNC_API_KEY")
+    os.environ["MII_ASYNC_API_KEY"] = KEY
+    try:
+        client = mii_async.serve(str(default_model_dir), kv_cache_memory=0.1, max_num_seqs=1, max_queued_requests=2,
+                                 enable_http=True, http_port=0)
+    finally:
+        if old is None:
+            os.environ.pop("MII_ASYNC_API_KEY")
+        else:
+            os.environ["MII_ASYNC_API_KEY"] = old
     pids = [client._process.pid, client._gateway.pid] + deployment_pids(client.run(client.health()))
     yield client
     client.terminate_server_sync(drain_s=0)

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from tests.mesh_helpers import kv_idle, until
 
@@ -114,6 +114,55 @@ def test_refused_request_is_an_error_frame(gateway_url):
 
     err = asyncio.run(main())[-1]
     assert err["type"] == "error" and err["code"] == "request_too_long" and err["param"] == "max_new_tokens"
+
+
+def test_cancel_at_once_and_out_of_range_values(gateway_url, deployment):
+    """A cancel sent right behind its generate still answers abort and frees the id for reuse; token ids and
+    integers that do not fit the wire (uint32, counts) are error frames naming the parameter, not a silence."""
+    async def main():
+        async with connect(_ws(gateway_url)) as ws:
+            await ws.recv()
+            await ws.send(json.dumps({"type": "generate", "id": "q", "prompt": "Hello", "max_new_tokens": 200,
+                                      "ignore_eos": True}))
+            await ws.send(json.dumps({"type": "cancel", "id": "q"}))
+            first = await _frames_until(ws, lambda f: f["type"] in ("done", "error") and f["id"] == "q")
+            await ws.send(json.dumps({"type": "generate", "id": "q", "prompt": "Hello", "max_new_tokens": 3,
+                                      "ignore_eos": True}))
+            again = await _frames_until(ws, lambda f: f["type"] in ("done", "error") and f["id"] == "q")
+            await ws.send(json.dumps({"type": "generate", "id": "ids", "prompt": [1, 2 ** 40]}))
+            ids = await _frames_until(ws, lambda f: f["type"] in ("done", "error"))
+            await ws.send(json.dumps({"type": "generate", "id": "k", "prompt": "x", "top_k": 10 ** 30}))
+            top_k = await _frames_until(ws, lambda f: f["type"] in ("done", "error"))
+            await kv_idle(deployment)
+        return first[-1], again[-1], ids[-1], top_k[-1]
+
+    first, again, ids, top_k = asyncio.run(main())
+    assert first["type"] == "done" and first["finish_reason"] == "abort", first
+    assert again["type"] == "done" and again["finish_reason"] == "length", again
+    assert ids["type"] == "error" and ids["param"] == "prompt" and "out of range" in ids["message"], ids
+    assert top_k["type"] == "error" and top_k["param"] == "top_k", top_k
+
+
+def test_foreign_origin_is_refused(gateway_url, start_gateway):
+    """A browser page of another site cannot open the WebSocket (403 at the handshake); the gateway's own page,
+    a listed origin and tools that send no Origin can."""
+    port = gateway_url.rsplit(":", 1)[1]
+    listed = start_gateway(allowed_origins=["https://app.example.com"])
+
+    async def opens(url: str, origin: str | None) -> bool:
+        try:
+            async with connect(_ws(url), origin=origin) as ws:
+                return json.loads(await ws.recv())["type"] == "hello"
+        except InvalidStatus as exc:
+            assert exc.response.status_code == 403
+            return False
+
+    async def main():
+        return [await opens(gateway_url, None), await opens(gateway_url, f"http://127.0.0.1:{port}"),
+                await opens(gateway_url, "http://evil.example"), await opens(gateway_url, f"http://localhost:{port}"),
+                await opens(listed.url, "https://app.example.com"), await opens(listed.url, "https://other.example")]
+
+    assert asyncio.run(main()) == [True, True, False, False, True, False]
 
 
 def test_disconnect_cancels_every_request(gateway_url, deployment):
