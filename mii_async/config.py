@@ -29,6 +29,7 @@ class ModelConfig:
     max_model_len: int | None = None   # cap on prompt + output tokens; None: the model's own
     cache_dir: str = field(default_factory=default_cache_dir)  # converted models
     kernels: str = "auto"              # auto: the CuPy/CUDA kernels on a GPU when cupy imports, else reference
+    cuda_graphs: bool = True           # on a GPU, replay decode steps from CUDA graphs (False: always eager)
 
     def __post_init__(self) -> None:
         dt = _DTYPE_ALIASES.get(str(self.dtype), str(self.dtype))
@@ -40,13 +41,17 @@ class ModelConfig:
         _pos_int(self, "max_model_len", optional=True)
         if self.kernels not in ("auto", "reference", "cuda"):
             raise InvalidParameterError("kernels", f"must be auto, reference or cuda, got {self.kernels!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise InvalidParameterError("cuda_graphs", f"must be true or false, got {self.cuda_graphs!r}")
 
 
 @dataclass(frozen=True)
 class CacheConfig:
+    CPU_KV_GIB = 0.5                   # the CPU pool when kv_cache_memory is None
     block_size: int = 16               # tokens per KV block
     num_blocks: int | None = None      # KV pool size in blocks; None: from kv_cache_memory
-    kv_cache_memory: float = 0.5       # GiB for the KV pool when num_blocks is None (CPU)
+    kv_cache_memory: float | None = None  # GiB for the KV pool; None: 0.5 on CPU, the memory plan on a GPU
+    gpu_memory_utilization: float = 0.9   # GPU: the share of the device's memory this replica may use in all
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -54,18 +59,30 @@ class CacheConfig:
         if self.block_size & (self.block_size - 1):
             raise InvalidParameterError("block_size", f"must be a power of two, got {self.block_size}")
         _pos_int(self, "num_blocks", optional=True)
-        if isinstance(self.kv_cache_memory, bool) or not isinstance(self.kv_cache_memory, (int, float)) or not self.kv_cache_memory > 0:
-            raise InvalidParameterError("kv_cache_memory", f"must be a positive number of GiB, got {self.kv_cache_memory!r}")
+        v = self.kv_cache_memory
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+            raise InvalidParameterError("kv_cache_memory", f"must be a positive number of GiB, got {v!r}")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise InvalidParameterError("gpu_memory_utilization", f"must be in (0, 1], got {u!r}")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_batch_tokens: int = 512        # SplitFuse token budget per step (decodes + prompt chunks)
-    max_num_seqs: int = 64             # running sequences at most
+    max_batch_tokens: int | None = None  # SplitFuse token budget per step (decodes + prompt chunks); None: 512 on
+                                         # CPU, 2048 on a GPU
+    max_num_seqs: int | None = None      # running sequences at most; None: 64 on CPU, 256 on a GPU
+
+    DEFAULTS = {"cpu": (512, 64), "cuda": (2048, 256)}
 
     def __post_init__(self) -> None:
-        _pos_int(self, "max_batch_tokens")
-        _pos_int(self, "max_num_seqs")
+        _pos_int(self, "max_batch_tokens", optional=True)
+        _pos_int(self, "max_num_seqs", optional=True)
+
+    def resolved(self, device_type: str) -> SchedulerConfig:
+        """This config with the device's defaults in place of None."""
+        tokens, seqs = self.DEFAULTS["cuda" if device_type == "cuda" else "cpu"]
+        return SchedulerConfig(self.max_batch_tokens or tokens, self.max_num_seqs or seqs)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ is pure and may be called from any thread, before a request is handed over.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -21,7 +22,9 @@ from mii_async.request_limits import RequestLimits
 
 from . import kv_cache
 from .block_manager import BlockManager
-from .loader import WeightReader, load_spec
+from .cuda_graphs import DecodeGraphs, graph_reserve
+from .loader import TensorReader, WeightReader, load_spec
+from .memory_plan import MemoryPlan, plan_kv, profile_step
 from .models.llama import LlamaModel
 from .parallel import TPGroup
 from .runner import Runner
@@ -29,6 +32,7 @@ from .sampler import Sampler, TokenLogprobs
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 
+log = logging.getLogger("mii_async.workers.engine")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -41,9 +45,11 @@ class EngineOutput(NamedTuple):
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, model_path: Path | None = None, tp: TPGroup | None = None) -> None:
+    def __init__(self, config: EngineConfig, model_path: Path | None = None, tp: TPGroup | None = None,
+                 weights: dict[str, torch.Tensor] | None = None) -> None:
         """With `tp`, this process is one rank of a tensor-parallel replica: it holds its shard of the weights
-        and of the KV pool; rank 0 runs the loop (`step`), the others `follow()`."""
+        and of the KV pool; rank 0 runs the loop (`step`), the others `follow()`. `weights` (name → tensor)
+        replaces the checkpoint's files: the model directory then needs only its config.json."""
         mc = config.model
         self.config = config
         self.model_path = model_path or resolve_model(mc.model, mc.cache_dir)
@@ -62,18 +68,44 @@ class Engine:
             self.kernels = resolve_backend(mc.kernels, self.device.type)
         except ValueError as exc:
             raise InvalidParameterError("kernels", str(exc)) from None
-        self.model = LlamaModel.load(spec, WeightReader(self.model_path), self.dtype, self.device,
+        reader = TensorReader(weights) if weights is not None else WeightReader(self.model_path)
+        self.model = LlamaModel.load(spec, reader, self.dtype, self.device,
                                      self.max_model_len, get_ops(self.kernels), tp)
         kv_spec = dataclasses.replace(spec, num_kv_heads=self.model.num_kv_heads)   # this rank's KV heads
         self.load_seconds = time.perf_counter() - t0
         cc = config.cache
-        per_block = kv_cache.bytes_per_block(kv_spec, cc.block_size, self.dtype)
-        self.num_blocks = cc.num_blocks or max(1, int(cc.kv_cache_memory * 2**30 // per_block))
-        self.kv = kv_cache.allocate(kv_spec, self.num_blocks, cc.block_size, self.dtype, self.device)
-        self.block_manager = BlockManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.runner = Runner(self.model, self.kv, cc.block_size, self.device)
+        sched = config.scheduler.resolved(self.device.type)
+        self.config = config = dataclasses.replace(config, scheduler=sched)
         self.sampler = Sampler(spec.vocab_size, spec.eos_token_ids, self.device)
+        graphs = self.device.type == "cuda" and mc.cuda_graphs and tp is None   # TP graphs: not yet
+        max_graph_batch = min(sched.max_num_seqs, 256)
+        self.memory_plan = None
+        per_block = kv_cache.bytes_per_block(kv_spec, cc.block_size, self.dtype)
+        if cc.num_blocks:
+            num_blocks = cc.num_blocks
+        elif self.device.type != "cuda" or cc.kv_cache_memory is not None:
+            num_blocks = int((cc.kv_cache_memory or cc.CPU_KV_GIB) * 2**30 // per_block)
+        else:
+            self.memory_plan = self._plan_memory(kv_spec, per_block, sched, graph_reserve(
+                max_graph_batch, spec.vocab_size) if graphs else 0)
+            num_blocks = self.memory_plan.num_blocks
+        num_blocks = max(1, num_blocks)
+        if tp is not None:
+            num_blocks = tp.min_int(num_blocks)        # every rank holds the same block ids
+        self.num_blocks = num_blocks
+        # With graphs, one more block than the block manager knows: the scratch block of padded rows.
+        self.kv = kv_cache.allocate(kv_spec, num_blocks + int(graphs), cc.block_size, self.dtype, self.device)
+        self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.scheduler = Scheduler(sched, self.block_manager)
+        self.runner = Runner(self.model, self.kv, cc.block_size, self.device)
+        if graphs:
+            self.runner.graphs = DecodeGraphs(self.model, self.kv, cc.block_size, self.device, max_graph_batch,
+                                              self.max_model_len, scratch_block=num_blocks)
+            self.runner.graphs.capture()
+        if self.memory_plan is not None:
+            measured = self.runner.graphs.memory if self.runner.graphs else 0
+            log.info("%s; graphs measured %.2f GiB; token budget %d per step, %d sequences at most",
+                     self.memory_plan.describe(), measured / 2**30, sched.max_batch_tokens, sched.max_num_seqs)
         self.seqs: dict[int, Sequence] = {}
         self.num_steps = 0
 
@@ -150,6 +182,15 @@ class Engine:
         if n >= p.max_new_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+    def _plan_memory(self, kv_spec, per_block: int, sched, reserve: int) -> MemoryPlan:
+        cc = self.config.cache
+        block_shape = (cc.block_size, kv_spec.num_kv_heads, kv_spec.head_dim)
+        return plan_kv(lambda: profile_step(self.model, self.sampler, kv_spec.num_layers, block_shape, self.dtype,
+                                            self.device, sched.max_batch_tokens, sched.max_num_seqs,
+                                            self.max_model_len, cc.block_size, Runner),
+                       self.device, cc.gpu_memory_utilization, per_block, cc.block_size, sched.max_batch_tokens,
+                       reserve)
 
     def stats(self) -> dict[str, int]:
         cs = self.block_manager.stats()

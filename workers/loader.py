@@ -118,3 +118,26 @@ class WeightReader:
 
     def names(self) -> Iterator[str]:
         return iter(self._map)
+
+
+class TensorReader:
+    """The WeightReader interface over tensors already in memory (name → tensor), e.g. a transformers model's
+    state_dict: benchmarks and parity checks build a model on the GPU and serve its very weights, no files."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._t = tensors
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._t
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._t:
+            raise ModelNotFoundError(f"weight {name!r} is missing")
+        return self._t[name]
+
+    def get_slice(self, name: str, dim: int, start: int, end: int) -> torch.Tensor:
+        t = self.get(name)
+        return t[start:end] if dim == 0 else t[:, start:end]
+
+    def names(self) -> Iterator[str]:
+        return iter(self._t)

@@ -38,6 +38,12 @@ class TPGroup:
         dist.all_reduce(x)
         return x
 
+    def min_int(self, value: int) -> int:
+        """The least of `value` over the group (every rank calls it at the same point)."""
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """[..., n] on every rank → [..., world·n], rank order."""
         parts = [torch.empty_like(x) for _ in range(self.world)]

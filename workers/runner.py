@@ -16,9 +16,14 @@ class Runner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        self.graphs = None            # DecodeGraphs, once captured (a GPU replica with cuda_graphs)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Runs one step; returns logits [number of sampled seqs, V] in plan order."""
+        if self.graphs is not None:
+            logits = self.graphs.run(plan)
+            if logits is not None:
+                return logits
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []

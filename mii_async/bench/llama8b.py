@@ -1,0 +1,249 @@
+"""The engine on a Llama-3-8B-shape model with random bf16 weights, on one GPU, beside transformers `generate`
+on the very same weights, in one run (issue 6's figures; docs/benchmarks.md).
+
+    python -m mii_async.bench.llama8b [--only parity,bs1,offline,mixed,profile] [--json results.json]
+
+parity   last-position prefill logits (4 prompts) and one decode step against transformers' forward; greedy
+         agreement over 64 tokens for 32 prompts of 128 tokens
+bs1      batch-1 decode after a 128-token prompt: ms per step with CUDA graphs, eager, and HF generate
+offline  1,024 requests of 128 in / 128 out, all at once: output tokens/s (HF: 256 of them in one batch)
+mixed    1,000 requests, inputs uniform in [64, 1024], outputs in [64, 512], all at once: tokens/s, TTFT, ITL
+profile  where the GPU time of decode steps goes (GEMMs, attention, norms, sampling, …) and host time
+
+Floors: weight bytes / 4.25 TB/s per decode step; FLOPs / 782 TFLOP/s (../shared/device/README.md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+
+import torch
+
+import mii_async
+
+BANDWIDTH, FLOPS = 4.25e12, 782e12
+SHAPE = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
+             rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False)
+
+
+def build(seed: int = 0):
+    """transformers' model with random weights on the GPU, and our engine over the same tensors."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mii_async.config import EngineConfig
+    from mii_async.workers.engine import Engine
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**SHAPE, initializer_range=0.02)
+    with torch.device("cuda"):
+        hf = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    d = tempfile.mkdtemp(prefix="mii-8b-")
+    cfg.save_pretrained(d)
+    t0 = time.perf_counter()
+    engine = Engine(EngineConfig.from_kwargs(d, dtype="bfloat16", device="cuda"),
+                    weights={k: v for k, v in hf.state_dict().items()})
+    print(f"engine ready in {time.perf_counter() - t0:.1f} s; {engine.memory_plan.describe() if engine.memory_plan else ''}",
+          flush=True)
+    return hf, engine
+
+
+def prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, 128000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def drain(engine, reqs: list[tuple[list[int], int]], start_id: int = 0) -> tuple[float, dict[int, list[float]]]:
+    """Submits every (prompt, output length) at once and steps until all finish; returns the wall time and
+    each request's token times (seconds from the start)."""
+    times: dict[int, list[float]] = {}
+    for i, (p, n) in enumerate(reqs):
+        engine.add_request(start_id + i, p, mii_async.SamplingParams(max_new_tokens=n, ignore_eos=True))
+        times[start_id + i] = []
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while engine.has_work():
+        for out in engine.step():
+            times[out.req_id].append(time.perf_counter() - t0)
+    return time.perf_counter() - t0, times
+
+
+def weight_bytes(hf) -> int:
+    return sum(p.numel() * p.element_size() for p in hf.parameters())
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.linalg.norm(a.float() - b.float()) / torch.linalg.norm(b.float()))
+
+
+def parity(hf, engine) -> dict:
+    """Logits against transformers' forward on the same weights, and greedy agreement."""
+    errs, derrs = [], []
+    for i, p in enumerate(prompts(4, 128, 128, 1)):
+        rid = 10_000 + i                    # the engine's own step, split to read the logits it samples from
+        engine.add_request(rid, p, mii_async.SamplingParams(max_new_tokens=2, ignore_eos=True))
+        seq = engine.seqs[rid]
+        plan = engine.scheduler.schedule()
+        lg = engine.runner.execute(plan).clone()
+        engine.scheduler.commit(seq, len(plan.seqs[0].token_ids))
+        nxt = int(lg[0].argmax())
+        seq.output_ids.append(nxt)
+        plan = engine.scheduler.schedule()          # a decode step: replayed from its CUDA graph
+        lg2 = engine.runner.execute(plan).clone()
+        engine.abort(rid)
+        with torch.no_grad():
+            ref = hf(torch.tensor([p + [nxt]], device="cuda")).logits[0, -2:]
+        errs.append(rel(lg[0], ref[0]))
+        derrs.append(rel(lg2[0], ref[1]))
+    ps = prompts(32, 128, 128, 2)
+    got: dict[int, list[int]] = {i: [] for i in range(len(ps))}
+    for i, p in enumerate(ps):
+        engine.add_request(20_000 + i, p, mii_async.SamplingParams(max_new_tokens=64, ignore_eos=True))
+    while engine.has_work():
+        for o in engine.step():
+            got[o.req_id - 20_000].append(o.token_id)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor(ps, device="cuda"), attention_mask=torch.ones(32, 128, device="cuda"),
+                          max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0)[:, 128:].tolist()
+    first = [next((j for j, (a, b) in enumerate(zip(got[i], ref[i])) if a != b), 64) for i in range(len(ps))]
+    return {"prefill_logits_rel_err_max": max(errs), "decode_logits_rel_err_max": max(derrs),
+            "greedy_prompts_identical_64": f"{sum(f == 64 for f in first)}/{len(ps)}",
+            "greedy_tokens_before_first_divergence_mean": statistics.mean(first)}
+
+
+def bs1(hf, engine, new: int = 128) -> dict:
+    """ms per decode step at batch 1 after a 128-token prompt: ours with graphs, ours eager, HF generate."""
+    out = {}
+    p = prompts(1, 128, 128, 3)[0]
+    graphs = engine.runner.graphs
+    for name, g in (("graphs", graphs), ("eager", None)):
+        if name == "graphs" and graphs is None:
+            continue
+        engine.runner.graphs = g
+        drain(engine, [(p, 8)], 40_000)                     # warm-up
+        _, times = drain(engine, [(p, new + 1)], 41_000)
+        t = times[41_000]
+        out[f"ours_{name}_ms_per_step"] = 1e3 * statistics.median(b - a for a, b in zip(t[1:], t[2:]))
+    engine.runner.graphs = graphs
+    ids = torch.tensor([p], device="cuda")
+    mask = torch.ones_like(ids)
+
+    def gen(n: int) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    gen(4)
+    out["hf_ms_per_step"] = 1e3 * (gen(new + 1) - gen(1)) / new
+    out["floor_ms_per_step"] = 1e3 * weight_bytes(hf) / BANDWIDTH
+    return out
+
+
+def offline(hf, engine, n: int = 1024, hf_n: int = 256) -> dict:
+    """n requests of 128 in / 128 out at once: output tokens/s; HF: hf_n of them in one batch."""
+    ps = prompts(n, 128, 128, 4)
+    drain(engine, [(p, 4) for p in ps[:8]], 50_000)          # warm-up
+    secs, times = drain(engine, [(p, 128) for p in ps], 51_000)
+    toks = sum(len(t) for t in times.values())
+    ids = torch.tensor(ps[:hf_n], device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=128, min_new_tokens=128,
+                    do_sample=False, pad_token_id=0)
+    torch.cuda.synchronize()
+    hf_s = time.perf_counter() - t0
+    flops = 2 * weight_bytes(hf) / 2 * n * 256                       # 2 FLOPs per weight per token
+    return {"ours_output_tok_s": toks / secs, "ours_seconds": secs, "requests": n,
+            "hf_output_tok_s": hf_n * 128 / hf_s, "hf_batch": hf_n,
+            "floor_seconds_flops": flops / FLOPS, "floor_output_tok_s": n * 128 / (flops / FLOPS)}
+
+
+def mixed(engine, n: int = 1000) -> dict:
+    """n requests, inputs in [64, 1024], outputs in [64, 512], all submitted at once."""
+    rng = random.Random(5)
+    reqs = [(p, rng.randint(64, 512)) for p in prompts(n, 64, 1024, 6)]
+    secs, times = drain(engine, reqs, 60_000)
+    ttft = sorted(t[0] for t in times.values())
+    itl = sorted(b - a for t in times.values() for a, b in zip(t, t[1:]))
+    pct = lambda xs, q: 1e3 * xs[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
+    return {"output_tok_s": sum(len(t) for t in times.values()) / secs, "seconds": secs,
+            "ttft_ms_p50": pct(ttft, 0.5), "ttft_ms_p99": pct(ttft, 0.99),
+            "itl_ms_p50": pct(itl, 0.5), "itl_ms_p99": pct(itl, 0.99)}
+
+
+CATEGORIES = (("gemm", ("gemm", "cutlass", "xmma", "sm90", "cublas", "nvjet")), ("attention", ("paged_attention", "flash", "fmha", "attention")),
+              ("norms", ("rms_norm",)), ("rotary+kv", ("rotary",)), ("silu", ("silu",)),
+              ("sampling", ("argmax", "softmax", "sort", "topk", "exponential", "cumsum")))
+
+
+def profile(engine, batch: int, steps: int = 8) -> dict:
+    """GPU time per decode step by category (eager, so that each kernel shows) and the step's wall time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    graphs, engine.runner.graphs = engine.runner.graphs, None
+    ps = prompts(batch, 128, 128, 7)
+    for i, p in enumerate(ps):
+        engine.add_request(70_000 + i, p, mii_async.SamplingParams(max_new_tokens=steps + 4, ignore_eos=True))
+    while any(len(s.output_ids) < 2 for s in engine.seqs.values()):
+        engine.step()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / steps
+    while engine.has_work():
+        engine.step()
+    engine.runner.graphs = graphs
+    cats: dict[str, float] = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if not us or ev.key.startswith(("cudaLaunch", "ProfilerStep")):
+            continue
+        name = ev.key.lower()
+        cat = next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other")
+        cats[cat] = cats.get(cat, 0.0) + us / 1e3 / steps
+    gpu = sum(cats.values())
+    return {"batch": batch, "wall_ms_per_step": 1e3 * wall, "gpu_ms_per_step": gpu,
+            "host_or_idle_ms_per_step": 1e3 * wall - gpu, **{f"{k}_ms": v for k, v in sorted(cats.items())}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mii_async.bench.llama8b")
+    ap.add_argument("--only", default="parity,bs1,offline,mixed,profile")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    parts = a.only.split(",")
+    hf, engine = build()
+    results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+                     "weights_gb": weight_bytes(hf) / 1e9, "kernels": engine.kernels,
+                     "graphs": bool(engine.runner.graphs), "num_blocks": engine.num_blocks,
+                     "max_batch_tokens": engine.config.scheduler.max_batch_tokens,
+                     "max_num_seqs": engine.config.scheduler.max_num_seqs}
+    if engine.runner.graphs is not None:
+        results["graph_capture_s"] = engine.runner.graphs.capture_seconds
+        results["graph_memory_gib"] = engine.runner.graphs.memory / 2**30
+    steps = {"parity": lambda: parity(hf, engine), "bs1": lambda: bs1(hf, engine),
+             "offline": lambda: offline(hf, engine), "mixed": lambda: mixed(engine),
+             "profile": lambda: {"bs1": profile(engine, 1), "bs256": profile(engine, 256)}}
+    for name in parts:
+        t0 = time.perf_counter()
+        results[name] = steps[name]()
+        print(f"{name} ({time.perf_counter() - t0:.0f} s): {json.dumps(results[name], indent=1)}", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

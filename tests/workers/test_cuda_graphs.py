@@ -1,0 +1,94 @@
+"""Decode steps replayed from CUDA graphs, and the GPU memory plan (on the device; skipped without CUDA)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import mii_async
+
+from .helpers import make_engine, run_engine
+
+pytestmark = pytest.mark.gpu
+
+
+def _model(tmp_path, hidden: int, heads: int, kv: int, max_pos: int):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=320, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=max_pos,
+                      initializer_range=0.05, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(hidden)
+    path = tmp_path / f"h{hidden}"
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(str(path))
+    return path
+
+
+def test_batch_buckets():
+    from mii_async.workers.cuda_graphs import batch_buckets
+
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(5) == [1, 2, 4, 5]
+    b = batch_buckets(256)
+    assert b[:6] == [1, 2, 4, 8, 16, 24] and b[-1] == 256 and b == sorted(set(b))
+
+
+@pytest.mark.parametrize("kernels", ["reference", "cuda"])
+def test_graph_decode_equals_eager(tmp_path, kernels):
+    """Batches that need padding (3, 5, 7 sequences), and contexts past the first cap (2048): the same greedy
+    tokens with graphs as eagerly, replays counted, and no KV block written by a padded row."""
+    path = _model(tmp_path, 256, 4, 2, 4096)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (5, 40, 300, 2100, 17, 64, 9)]
+    outs = {}
+    for graphs in (True, False):
+        engine = make_engine(path, device="cuda", dtype="float32", num_blocks=2048, kernels=kernels,
+                             cuda_graphs=graphs, max_num_seqs=8)
+        assert (engine.runner.graphs is not None) == graphs
+        outs[graphs] = run_engine(engine, prompts, max_new_tokens=20, min_new_tokens=20)
+        if graphs:
+            g = engine.runner.graphs
+            assert g.replays > 0 and [c.cap for c in g.caps] == [2048, 4096]
+            assert engine.stats()["used_blocks"] == 0
+    assert outs[True] == outs[False]
+
+
+def test_graph_logits_match_eager_in_bf16(tmp_path):
+    """The logits a graph replay gives equal the eager step's (bf16, the CuPy kernels)."""
+    path = _model(tmp_path, 512, 4, 1, 2048)
+    engine = make_engine(path, device="cuda", dtype="bfloat16", num_blocks=512, kernels="cuda", max_num_seqs=4)
+    rng = random.Random(3)
+    for rid in range(3):
+        engine.add_request(rid, [rng.randrange(3, 320) for _ in range(50 + 70 * rid)],
+                           mii_async.SamplingParams(max_new_tokens=4, ignore_eos=True))
+    while any(not s.output_ids for s in engine.seqs.values()):
+        engine.step()
+    plan = engine.scheduler.schedule()
+    assert plan.num_decodes == 3
+    graphed = engine.runner.execute(plan).clone()
+    replays = engine.runner.graphs.replays
+    graphs, engine.runner.graphs = engine.runner.graphs, None
+    eager = engine.runner.execute(plan)
+    engine.runner.graphs = graphs
+    assert graphs.replays == replays and replays > 0
+    assert torch.linalg.norm(graphed - eager) / torch.linalg.norm(eager) < 1e-2
+
+
+def test_memory_plan_sizes_the_pool(tmp_path):
+    """With no kv_cache_memory on a GPU, the pool is what gpu_memory_utilization leaves after a profiling step;
+    what is allocated stays within that share; an impossible share is an error naming it."""
+    path = _model(tmp_path, 256, 4, 2, 2048)
+    engine = make_engine(path, device="cuda", dtype="bfloat16", kernels="cuda", gpu_memory_utilization=0.2)
+    plan = engine.memory_plan
+    assert plan is not None and engine.num_blocks == plan.num_blocks > 0
+    total = torch.cuda.mem_get_info()[1]
+    assert plan.total == total
+    assert plan.weights + plan.activations + plan.kv_bytes + plan.graph_reserve <= 0.2 * total
+    assert torch.cuda.memory_allocated() <= 0.2 * total
+    assert "KV pool" in plan.describe()
+    assert engine.config.scheduler.max_batch_tokens == 2048 and engine.config.scheduler.max_num_seqs == 256
+    del engine
+    with pytest.raises(mii_async.InvalidParameterError) as e:
+        make_engine(path, device="cuda", dtype="bfloat16", kernels="cuda", gpu_memory_utilization=0.0001)
+    assert e.value.param == "gpu_memory_utilization"
