@@ -22,6 +22,7 @@ CSRC = Path(__file__).parent / "csrc"
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 DECODE_THREADS = 128            # NUM_THREADS in paged_attention_decode.cu
 MAX_GQA = 16                    # MAX_G there: query heads per KV head
+PARTITIONS = (512, 256, 128, 64, 32)   # decode split lengths, in tokens, longest first
 
 rotary_embedding = reference.rotary_embedding
 write_kv = reference.write_kv
@@ -151,8 +152,11 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q) if out is None else out
     if s == 0:
         return out
-    if partition is None:           # fill the GPU: the longest partition that still gives 2 blocks per SM
-        partition = next((p for p in (512, 256) if s * hkv * -(-max_context_len // p) >= 2 * _sm_count()), 128)
+    if partition is None:
+        # Fill the GPU: the longest partition that still gives 2 blocks per SM. Small batches take short ones
+        # (down to 32 tokens): a block's PV loop walks its partition serially, so that is its latency.
+        partition = next((p for p in PARTITIONS if s * hkv * -(-max_context_len // p) >= 2 * _sm_count()),
+                         PARTITIONS[-1])
     splits = max(1, -(-max_context_len // partition))
     smem = 4 * (g * d + g * partition + 32) + 8 * partition + 4 * (DECODE_THREADS // 32) * g * d
     if splits > 1:

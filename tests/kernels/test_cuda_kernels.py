@@ -142,6 +142,21 @@ def test_paged_attention_decode(dtype, case):
     assert rel(out, ref) < TOL[dtype], (clens[:4], hq, hkv, d)
 
 
+@pytest.mark.parametrize("partition", K.PARTITIONS)
+def test_paged_attention_decode_every_partition(partition):
+    """Each split length the adaptive choice may take gives the reference's answer (contexts shorter and
+    longer than it, one that ends on its edge)."""
+    clens = [1, partition, partition + 1, 3 * partition + 5, 1000]
+    kc, vc, tables = _paged(clens, 8, 128, 16, torch.bfloat16, seed=partition)
+    q = torch.randn(len(clens), 32, 128, device="cuda").to(torch.bfloat16)
+    meta = _meta([1] * len(clens), clens, tables)
+    ref = R.paged_attention(q.float(), kc.float(), vc.float(), meta, 128 ** -0.5)
+    poison()
+    out = K.paged_attention_decode(q, kc, vc, meta.block_tables, meta.context_lens, max(clens), 128 ** -0.5,
+                                   partition=partition)
+    assert rel(out, ref) < TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_mixed_batch_attention(dtype):
     """A SplitFuse batch (decodes first, then prompt chunks attending to earlier chunks) matches the reference."""
