@@ -31,7 +31,7 @@ SHAPE = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_h
              rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False)
 
 
-def build(seed: int = 0):
+def build(seed: int = 0, kernels: str = "auto"):
     """transformers' model with random weights on the GPU, and our engine over the same tensors."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -47,7 +47,8 @@ def build(seed: int = 0):
     t0 = time.perf_counter()
     # 60% of the device: the KV pool still holds every benchmark's working set, and the parity check has room
     # for an fp32 copy of transformers' model as its reference.
-    engine = Engine(EngineConfig.from_kwargs(d, dtype="bfloat16", device="cuda", gpu_memory_utilization=0.6),
+    engine = Engine(EngineConfig.from_kwargs(d, dtype="bfloat16", device="cuda", gpu_memory_utilization=0.6,
+                                            kernels=kernels),
                     weights={k: v for k, v in hf.state_dict().items()})
     print(f"engine ready in {time.perf_counter() - t0:.1f} s; {engine.memory_plan.describe() if engine.memory_plan else ''}",
           flush=True)
@@ -246,9 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mii_async.bench.llama8b")
     ap.add_argument("--only", default="parity,bs1,offline,mixed,profile")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--kernels", default="auto", help="auto (the CuPy kernels) or reference (torch ops)")
     a = ap.parse_args(argv)
     parts = a.only.split(",")
-    hf, engine = build()
+    hf, engine = build(kernels=a.kernels)
     results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                      "weights_gb": weight_bytes(hf) / 1e9, "kernels": engine.kernels,
                      "graphs": bool(engine.runner.graphs), "num_blocks": engine.num_blocks,
