@@ -40,8 +40,10 @@ def build(seed: int = 0, kernels: str = "auto"):
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(**SHAPE, initializer_range=0.02)
+    # Built in bf16 the way from_pretrained builds it: `.to(torch.bfloat16)` after the fact would also round
+    # the rotary inv_freq buffer to bf16, and every position's angle with it.
     with torch.device("cuda"):
-        hf = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+        hf = LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16).eval()
     d = tempfile.mkdtemp(prefix="mii-8b-")
     cfg.save_pretrained(d)
     t0 = time.perf_counter()
