@@ -227,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     gw.add_argument("--tokenizer", default=None, help="the model directory, when the router's is not on this host")
     gw.add_argument("--log-level", default="INFO")
     gw.set_defaults(func=_gateway)
+    from .bench.serving import build_parser as bench_parser
+
+    bench_parser(sub.add_parser("bench", help="a serving benchmark: latency, throughput, goodput, plots"))
     k = sub.add_parser("keys", help="make CURVE key pairs for a deployment that leaves loopback")
     k.add_argument("dir")
     k.set_defaults(func=_keys)

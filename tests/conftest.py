@@ -41,6 +41,32 @@ def deployment(default_model_dir):
 
 
 @pytest.fixture(scope="session")
+def start_gateway(deployment):
+    """Starts a gateway process with the given HttpConfig fields (port: any free one); stops them all at the end."""
+    from mii_async.config import HttpConfig
+    from mii_async.deployment import GatewayProcess
+    from tests.mesh_helpers import wait_gone
+
+    started = []
+
+    def start(**http):
+        gw = GatewayProcess(deployment.address, HttpConfig(**{"http_port": 0, **http}))
+        started.append(gw)
+        return gw
+
+    yield start
+    for gw in started:
+        gw.stop()
+    assert not wait_gone([gw.pid for gw in started]), "gateway processes left behind"
+
+
+@pytest.fixture(scope="session")
+def gateway_url(start_gateway) -> str:
+    """The base URL (http://127.0.0.1:PORT) of a gateway with the default settings and no API key."""
+    return start_gateway().url
+
+
+@pytest.fixture(scope="session")
 def hf_default(default_model_dir):
     import torch
     from transformers import AutoModelForCausalLM
