@@ -63,12 +63,22 @@ class BlockManager:
     def append(self, seq: Sequence, num_new_tokens: int) -> None:
         """Gives `seq` the blocks its next `num_new_tokens` need; the caller checked they are free."""
         need = self.blocks_needed(seq, num_new_tokens)
-        assert need <= self.num_free, f"append of {need} blocks with {self.num_free} free"
-        for _ in range(need):
-            block, _ = self._free.popitem(last=False)
-            self._evict(block)
-            self._ref[block] = 1
-            seq.block_table.append(block)
+        if need > 0:
+            seq.block_table += self.take(need)
+
+    def take(self, n: int) -> list[int]:
+        """`n` fresh blocks (ref count 1), in the order `append` would hand them out one by one; the caller
+        puts them in block tables. One call for a whole step's decodes instead of one per sequence."""
+        assert n <= len(self._free), f"take of {n} blocks with {len(self._free)} free"
+        free, ref, hash_of = self._free, self._ref, self._hash_of
+        out = []
+        for _ in range(n):
+            block, _ = free.popitem(last=False)
+            if block in hash_of:
+                self._evict(block)
+            ref[block] = 1
+            out.append(block)
+        return out
 
     def free(self, seq: Sequence) -> None:
         """Releases every block of `seq` (finish, abort, preemption). Tail blocks are evicted first."""
@@ -117,9 +127,9 @@ class BlockManager:
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """After a step: records the hash of every block of `seq` that is now full of computed tokens."""
-        if not self.enable_prefix_caching:
-            return
         full = seq.num_computed_tokens // self.block_size
+        if not self.enable_prefix_caching or full <= seq.num_hashed_blocks:
+            return                        # the usual decode step: no block filled up
         for i in range(seq.num_hashed_blocks, full):
             key = (seq.last_block_hash, tuple(seq.token_ids(i * self.block_size, (i + 1) * self.block_size)))
             h = hash(key)

@@ -150,19 +150,37 @@ class Engine:
         if self.tp is not None:
             self.tp.send_plan(plan)
         logits = self.runner.execute(plan)
-        for s in plan.seqs:
-            self.scheduler.commit(self.seqs[s.req_id], len(s.token_ids))
-        sampled = [self.seqs[s.req_id] for s in plan.seqs if s.sample]
+        sampled = self.scheduler.commit_step()
         result = self.sampler(logits, sampled)
         outputs = []
+        finished = []
+        eos, max_len = self.spec.eos_token_ids, self.max_model_len
         for seq, tok, lp in zip(sampled, result.token_ids, result.logprobs):
-            seq.output_ids.append(tok)
-            reason = self._finish_reason(seq, tok)
-            if reason is not None:
-                self.abort(seq.req_id)
+            out = seq.output_ids
+            out.append(tok)
+            # "stop" (EOS / stop id, once min_new_tokens exist) before "length"; inlined, as this loop
+            # runs once per running sequence per step
+            p, n = seq.params, len(out)
+            if n >= p.min_new_tokens and (tok in p.stop_token_ids or (not p.ignore_eos and tok in eos)):
+                reason: str | None = "stop"
+                finished.append(seq)
+            elif n >= p.max_new_tokens or len(seq.prompt_ids) + n >= max_len:
+                reason = "length"
+                finished.append(seq)
+            else:
+                reason = None
             outputs.append(EngineOutput(seq.req_id, tok, lp, reason, seq.num_cached_prompt_tokens))
+        if finished:
+            self._finish(finished)
         self.num_steps += 1
         return outputs
+
+    def _finish(self, seqs: list[Sequence]) -> None:
+        """`abort` of each finished sequence, in sampling order, with one pass over the running list."""
+        for seq in seqs:
+            del self.seqs[seq.req_id]
+            self.sampler.release(seq.req_id)
+        self.scheduler.remove_many(seqs)
 
     def follow(self) -> None:
         """Ranks > 0: run every plan rank 0 sends, until it says stop."""
@@ -173,15 +191,6 @@ class Engine:
     def stop_followers(self) -> None:
         if self.tp is not None and self.tp.rank == 0:
             self.tp.send_plan(None)
-
-    def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
-        p = seq.params
-        n = len(seq.output_ids)
-        if n >= p.min_new_tokens and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.spec.eos_token_ids)):
-            return "stop"
-        if n >= p.max_new_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
 
     def _plan_memory(self, kv_spec, per_block: int, sched, reserve: int) -> MemoryPlan:
         cc = self.config.cache

@@ -1,12 +1,86 @@
-"""Runner: StepPlan → input tensors → forward → logits of the sampled rows. Makes no scheduling decision."""
+"""Runner: StepPlan → input tensors → forward → logits of the sampled rows. Makes no scheduling decision.
+
+The step's inputs are built on the host with a few numpy calls over the whole batch (not per-sequence tensor
+ops), packed into one int64 buffer and moved to the device with one copy: at 256 sequences a step's host
+work is the bottleneck on a GPU, not its kernels.
+"""
 from __future__ import annotations
 
+from itertools import chain
+from typing import NamedTuple
+
+import numpy as np
 import torch
 
 from mii_async.kernels.metadata import AttentionMetadata
 
 from .models.llama import LlamaModel
-from .step_plan import StepPlan
+from .step_plan import ScheduledSeq, StepPlan
+
+
+def pack_tables(seqs: list[ScheduledSeq], pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """Block tables as one padded array [len(seqs), longest table] int64 (filled with `pad`), and their
+    lengths [len(seqs)]."""
+    lens = np.fromiter(map(len, (s.block_table for s in seqs)), np.int64, len(seqs))
+    flat = np.fromiter(chain.from_iterable(s.block_table for s in seqs), np.int64, int(lens.sum()))
+    width = int(lens.max())
+    tables = np.full((len(seqs), width), pad, np.int64)
+    tables[np.arange(width) < lens[:, None]] = flat        # row-major: each row's blocks, in order
+    return tables, lens
+
+
+class HostInputs(NamedTuple):
+    """A step's inputs on the host: one int64 buffer and where each field sits in it."""
+    buf: np.ndarray            # [3T + S + (S + 1) + R + S·W] ids, positions, slots, context lens, query
+                               # starts, sampled rows, block tables
+    num_tokens: int            # T
+    num_sampled: int           # R
+    width: int                 # W, blocks per padded table row
+    query_lens: list[int]      # [S] host copies the attention metadata carries
+    context_lens: list[int]    # [S]
+
+
+def host_inputs(plan: StepPlan, block_size: int) -> HostInputs:
+    """The step's int64 inputs: per-sequence Python work is one read of each field; positions, slots and
+    sampled rows are computed for the whole batch by numpy."""
+    seqs = plan.seqs
+    n = len(seqs)
+    starts = [s.start_pos for s in seqs]
+    if plan.num_decodes == n:                          # decode-only: one token per sequence
+        qlens = [1] * n
+        ids = [s.token_ids[0] for s in seqs]
+    else:
+        qlens = [len(s.token_ids) for s in seqs]
+        ids = list(chain.from_iterable(s.token_ids for s in seqs))
+    clens = [a + b for a, b in zip(starts, qlens)]
+    tables, lens = pack_tables(seqs, 0)
+    num_tok, width = len(ids), tables.shape[1]
+    sample = np.fromiter((s.sample for s in seqs), np.bool_, n)
+    num_sampled = int(sample.sum())
+    buf = np.empty(3 * num_tok + 2 * n + 1 + num_sampled + n * width, np.int64)
+    o = num_tok
+    ids_v, pos_v, slots_v = buf[:o], buf[o:2 * o], buf[2 * o:3 * o]
+    o *= 3
+    clens_v, qsl_v = buf[o:o + n], buf[o + n:o + 2 * n + 1]
+    o += 2 * n + 1
+    rows_v = buf[o:o + num_sampled]
+    tables_v = buf[o + num_sampled:].reshape(n, width)
+    ids_v[:] = ids
+    clens_v[:] = clens
+    assert ((clens_v + block_size - 1) // block_size <= lens).all(), "a block table does not cover its tokens"
+    qsl_v[0] = 0
+    np.cumsum(qlens, out=qsl_v[1:])
+    rows_v[:] = qsl_v[1:][sample] - 1                  # each sampled sequence's last token
+    tables_v[:] = tables
+    if num_tok == n:
+        pos_v[:] = starts
+        seq_of = np.arange(n)
+    else:                                              # token t of sequence s sits at start_s + t - qsl_s
+        seq_of = np.repeat(np.arange(n), qlens)
+        np.subtract(np.arange(num_tok), qsl_v[:-1][seq_of], out=pos_v)
+        pos_v += np.asarray(starts, np.int64)[seq_of]
+    slots_v[:] = tables[seq_of, pos_v // block_size] * block_size + pos_v % block_size
+    return HostInputs(buf, num_tok, num_sampled, width, qlens, clens)
 
 
 class Runner:
@@ -24,34 +98,16 @@ class Runner:
             logits = self.graphs.run(plan)
             if logits is not None:
                 return logits
-        bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        qlens: list[int] = []
-        clens: list[int] = []
-        sample_rows: list[int] = []
-        for s in plan.seqs:
-            n = len(s.token_ids)
-            ids += s.token_ids
-            p = range(s.start_pos, s.start_pos + n)
-            pos += p
-            slots += [s.block_table[i // bs] * bs + i % bs for i in p]
-            qlens.append(n)
-            clens.append(s.start_pos + n)
-            if s.sample:
-                sample_rows.append(len(ids) - 1)
-        width = max(len(s.block_table) for s in plan.seqs)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in plan.seqs]
-        dev = self.device
-
-        def t(x: list) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.int64, device=dev)
-
-        qsl = [0]
-        for n in qlens:
-            qsl.append(qsl[-1] + n)
-        meta = AttentionMetadata(slot_mapping=t(slots), block_tables=t(tables), context_lens=t(clens),
-                                 query_start_loc=t(qsl), num_decodes=plan.num_decodes,
-                                 max_context_len=max(clens), query_lens=qlens, context_lens_host=clens)
-        return self.model.forward(t(ids), t(pos), self.kv_caches, meta, t(sample_rows))
+        h = host_inputs(plan, self.block_size)
+        buf = torch.from_numpy(h.buf)
+        if self.device.type != "cpu":
+            # Pinned (torch's caching host allocator keeps the block until the copy is done), then one
+            # asynchronous copy: no sync here; the sampler's one read-back per step is the sync.
+            buf = buf.pin_memory().to(self.device, non_blocking=True)
+        t, n, r, w = h.num_tokens, len(h.query_lens), h.num_sampled, h.width
+        o = 3 * t + 2 * n + 1                         # [T] ids, positions, slots; [S] clens; [S+1] qsl
+        meta = AttentionMetadata(slot_mapping=buf[2 * t:3 * t], block_tables=buf[o + r:].view(n, w),
+                                 context_lens=buf[3 * t:3 * t + n], query_start_loc=buf[3 * t + n:o],
+                                 num_decodes=plan.num_decodes, max_context_len=max(h.context_lens),
+                                 query_lens=h.query_lens, context_lens_host=h.context_lens)
+        return self.model.forward(buf[:t], buf[t:2 * t], self.kv_caches, meta, buf[o:o + r])

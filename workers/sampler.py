@@ -9,11 +9,15 @@ A request with a `seed` owns a torch.Generator, so its draws never depend on wha
 """
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import NamedTuple
 
 import torch
 
 from .sequence import Sequence
+
+
+_plain = attrgetter("plain")
 
 
 class TokenLogprobs(NamedTuple):
@@ -48,11 +52,23 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        """logits [S, V] fp32 (one row per sampled sequence, in `seqs` order) → one token per row."""
+        """logits [S, V] fp32 (one row per sampled sequence, in `seqs` order) → one token per row.
+
+        The chosen ids are the step's one device → host sync; no other path reads device values (the filters
+        decide on host params). With logprobs, their values are enqueued before that read, so their own
+        reads after it wait on no further work."""
+        if all(map(_plain, seqs)):
+            # Greedy, no penalties, no masks, no logprobs (a benchmark's or a greedy batch's usual step):
+            # nothing writes the logits, so the argmax reads them without the fp32 copy.
+            lg = logits[:, : self.vocab_size]
+            if lg.dtype != torch.float32:
+                lg = lg.float()
+            return SampleResult(torch.argmax(lg, -1).tolist(), [None] * len(seqs))
         logits = logits[:, : self.vocab_size].to(torch.float32, copy=True)   # penalties write in place
         self._penalize(logits, seqs)
         want_lp = [s.params.logprobs for s in seqs]
-        logprobs = torch.log_softmax(logits, -1) if any(n is not None for n in want_lp) else None
+        lp_rows = [i for i, n in enumerate(want_lp) if n is not None]
+        logprobs = torch.log_softmax(logits[lp_rows], -1) if lp_rows else None   # [L, V]
 
         chosen = torch.argmax(logits, -1)                       # [S]; greedy rows keep this
         rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
@@ -68,19 +84,26 @@ class Sampler:
                     noise[j].exponential_(generator=self._generator(seqs[i]))
             chosen[idx] = torch.argmax(probs / noise, -1)
 
-        token_ids = chosen.tolist()
         out_lp: list[TokenLogprobs | None] = [None] * len(seqs)
-        if logprobs is not None:
-            for i, n in enumerate(want_lp):
-                if n is None:
-                    continue
-                top_v, top_i = torch.topk(logprobs[i], n) if n else (logprobs[i][:0], logprobs[i][:0].long())
-                out_lp[i] = TokenLogprobs(float(logprobs[i, token_ids[i]]),
-                                          list(zip(top_i.tolist(), top_v.tolist())))
+        if logprobs is None:
+            return SampleResult(chosen.tolist(), out_lp)
+        # Every logprob row at once: the chosen token's value and the top max(n), cut to each row's n.
+        idx = torch.tensor(lp_rows, device=logits.device)
+        own = logprobs.gather(1, chosen[idx][:, None])[:, 0]     # [L]
+        k = max(want_lp[i] for i in lp_rows)
+        top_v, top_i = torch.topk(logprobs, k, -1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+        token_ids = chosen.tolist()
+        own_l, top_vl, top_il = own.tolist(), top_v.tolist(), top_i.tolist()
+        for j, i in enumerate(lp_rows):
+            n = want_lp[i]
+            out_lp[i] = TokenLogprobs(own_l[j], list(zip(top_il[j][:n], top_vl[j][:n])))
         return SampleResult(token_ids, out_lp)
 
     def _penalize(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        masked: dict[tuple[int, ...], list[int]] = {}     # end ids to mask → the rows that mask them
         for i, s in enumerate(seqs):
+            if s.plain:
+                continue
             p = s.params
             if p.repetition_penalty != 1.0:
                 ids = torch.tensor(sorted(set(s.prompt_ids) | set(s.output_ids)), device=logits.device)
@@ -91,9 +114,12 @@ class Sampler:
                                         minlength=logits.shape[1])[: logits.shape[1]].to(logits.dtype)
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
             if len(s.output_ids) < p.min_new_tokens:
-                ends = [t for t in (*self.end_ids, *p.stop_token_ids) if t < logits.shape[1]]
+                ends = tuple(t for t in (*self.end_ids, *p.stop_token_ids) if t < logits.shape[1])
                 if ends:
-                    logits[i, ends] = float("-inf")
+                    masked.setdefault(ends, []).append(i)
+        for ends, rows in masked.items():                 # one write per distinct set, not one per row
+            r = torch.tensor(rows, device=logits.device)
+            logits[r[:, None], torch.tensor(ends, device=logits.device)[None, :]] = float("-inf")
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -102,18 +128,24 @@ class Sampler:
         logits = logits / temps[:, None]
         top_k = [s.params.top_k for s in seqs]
         if any(top_k):
-            ks = torch.tensor([k if k else logits.shape[1] for k in top_k], device=logits.device)
-            kth = torch.sort(logits, -1, descending=True).values.gather(1, (ks.clamp(max=logits.shape[1]) - 1)[:, None])
+            # The k-th largest value through topk of the largest k, not a sort of the whole vocabulary; rows
+            # without top-k get -inf, which masks nothing (as the smallest value did).
+            v = logits.shape[1]
+            ks = [min(k, v) for k in top_k]
+            kth = torch.topk(logits, max(ks), -1).values.gather(
+                1, torch.tensor([max(k, 1) - 1 for k in ks], device=logits.device)[:, None])
+            if not all(ks):
+                kth[torch.tensor([k == 0 for k in ks], device=logits.device)] = float("-inf")
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, -1)
         top_p = torch.tensor([s.params.top_p for s in seqs], device=logits.device)
-        if bool((top_p < 1.0).any()):
+        if any(s.params.top_p < 1.0 for s in seqs):            # host checks: no device sync
             sp, si = torch.sort(probs, -1, descending=True)
             drop = (sp.cumsum(-1) - sp) > top_p[:, None]       # keep the smallest set with mass ≥ top_p
             sp = sp.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(1, si, sp)
         min_p = torch.tensor([s.params.min_p for s in seqs], device=logits.device)
-        if bool((min_p > 0).any()):
+        if any(s.params.min_p > 0 for s in seqs):
             thresh = min_p[:, None] * probs.max(-1, keepdim=True).values
             probs = probs.masked_fill(probs < thresh, 0.0)
         return probs / probs.sum(-1, keepdim=True)

@@ -21,6 +21,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()   # FCFS; preempted sequences go back to the front
         self.running: list[Sequence] = []         # admission order: the last is the newest
         self.num_preemptions = 0
+        self._scheduled: list[tuple[Sequence, int]] = []   # the last plan's (seq, tokens), in plan order
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -41,6 +42,20 @@ class Scheduler:
         self.bm.free(seq)
         seq.status = Status.FINISHED
 
+    def remove_many(self, seqs: list[Sequence]) -> None:
+        """`remove` of each of `seqs`, in order (the free list's order depends on it), with one pass over
+        `running` instead of one `list.remove` per sequence: a step may finish hundreds at once."""
+        gone: set[int] = set()
+        for seq in seqs:
+            if seq.status is Status.RUNNING:
+                gone.add(id(seq))
+            elif seq.status is Status.WAITING:
+                self.waiting.remove(seq)
+            self.bm.free(seq)
+            seq.status = Status.FINISHED
+        if gone:
+            self.running[:] = [s for s in self.running if id(s) not in gone]
+
     def schedule(self) -> StepPlan:
         """Builds the next step.
 
@@ -53,17 +68,44 @@ class Scheduler:
         older one fits; waiting sequences only take free blocks, so admission never evicts running work.
         """
         budget = self.config.max_batch_tokens
-        chosen: dict[int, tuple[Sequence, int]] = {}   # id(seq) → (seq, tokens this step), insertion order
+        bm, bs = self.bm, self.bm.block_size
+        decodes: list[Sequence] = []
+        prefills: list[Sequence] = []
+        new_blocks = 0                                 # blocks the decodes need, all together
+        for s in self.running:
+            left = len(s.prompt_ids) + len(s.output_ids) - s.num_computed_tokens
+            if left == 1:
+                decodes.append(s)
+                need = -(-(s.num_computed_tokens + 1) // bs) - len(s.block_table)
+                if need > 0:
+                    new_blocks += need
+            elif left > 1:
+                prefills.append(s)
         preempted = 0
-        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
-        for seq in decodes + prefills:
+        # id(seq) → (seq, tokens this step), insertion order
+        chosen: dict[int, tuple[Sequence, int]]
+        if len(decodes) <= budget and new_blocks <= bm.num_free:
+            # The common case: every decode fits, so the general loop below would take them all, in this
+            # order, without preempting. Their new blocks come from one `take`, in the same order.
+            if new_blocks:
+                fresh = iter(bm.take(new_blocks))
+                for s in decodes:
+                    need = -(-(s.num_computed_tokens + 1) // bs) - len(s.block_table)
+                    for _ in range(need):
+                        s.block_table.append(next(fresh))
+            chosen = {id(s): (s, 1) for s in decodes}
+            budget -= len(decodes)
+            queue = prefills
+        else:
+            chosen = {}
+            queue = decodes + prefills
+        for seq in queue:
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while self.bm.blocks_needed(seq, n) > self.bm.num_free:
+            while bm.blocks_needed(seq, n) > bm.num_free:
                 victim = self.running[-1]
                 if id(victim) in chosen:
                     budget += chosen.pop(id(victim))[1]
@@ -72,21 +114,21 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is Status.RUNNING:
-                self.bm.append(seq, n)
+                bm.append(seq, n)
                 chosen[id(seq)] = (seq, n)
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
-                self.bm.match_prefix(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.bm.max_appendable(seq))
+                bm.match_prefix(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, bm.max_appendable(seq))
             if n <= 0:
-                self.bm.free(seq)               # give back prefix hits; retry when blocks free up
+                bm.free(seq)                    # give back prefix hits; retry when blocks free up
                 seq.num_computed_tokens = seq.num_hashed_blocks = 0
                 seq.last_block_hash = None
                 break
             self.waiting.popleft()
-            self.bm.append(seq, n)
+            bm.append(seq, n)
             seq.status = Status.RUNNING
             self.running.append(seq)
             chosen[id(seq)] = (seq, n)
@@ -101,16 +143,44 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _plan(self, chosen: list[tuple[Sequence, int]], preempted: int) -> StepPlan:
-        chosen.sort(key=lambda sn: sn[1] != 1)   # stable: one-token entries first
-        plan = StepPlan(num_preempted=preempted)
+        # One-token entries first, each group in chosen order (what a stable sort on n != 1 gives).
+        ones = [sn for sn in chosen if sn[1] == 1]
+        if len(ones) < len(chosen):
+            chosen = ones + [sn for sn in chosen if sn[1] != 1]
+        self._scheduled = chosen
+        seqs = []
+        add = seqs.append
         for seq, n in chosen:
             start = seq.num_computed_tokens
-            plan.seqs.append(ScheduledSeq(seq.req_id, seq.token_ids(start, start + n), start,
-                                          list(seq.block_table), start + n == seq.num_tokens))
-        plan.num_decodes = sum(1 for s in plan.seqs if len(s.token_ids) == 1)
-        return plan
+            prompt, out = seq.prompt_ids, seq.output_ids
+            p = len(prompt)
+            end = start + n
+            if start >= p:                       # decodes, and recomputed output: no list concatenation
+                tokens = out[start - p:end - p]
+            elif end <= p:
+                tokens = prompt[start:end]
+            else:
+                tokens = prompt[start:] + out[:end - p]
+            add(ScheduledSeq(seq.req_id, tokens, start, seq.block_table.copy(), end == p + len(out)))
+        return StepPlan(seqs, len(ones), preempted)
 
     def commit(self, seq: Sequence, num_tokens: int) -> None:
         """After the forward pass: `num_tokens` more of `seq` are in the cache."""
         seq.num_computed_tokens += num_tokens
         self.bm.register_full_blocks(seq)
+
+    def commit_step(self) -> list[Sequence]:
+        """After the forward pass of the last `schedule()`: `commit` of every chunk, in plan order; returns the
+        sequences to sample (those whose chunk reached their last token), in plan order."""
+        bm = self.bm
+        bs, caching = bm.block_size, bm.enable_prefix_caching
+        sampled = []
+        for seq, n in self._scheduled:
+            seq.num_computed_tokens += n
+            done = seq.num_computed_tokens
+            if caching and done // bs > seq.num_hashed_blocks:
+                bm.register_full_blocks(seq)
+            if done == len(seq.prompt_ids) + len(seq.output_ids):
+                sampled.append(seq)
+        self._scheduled = []
+        return sampled

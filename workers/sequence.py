@@ -13,7 +13,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Sequence:
     req_id: int                          # the caller's id, unique while the request lives
     prompt_ids: list[int]                # the prompt, fixed
@@ -26,6 +26,15 @@ class Sequence:
     status: Status = Status.WAITING
     num_cached_prompt_tokens: int = 0    # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0
+    # True when the argmax of the raw logits is all this request ever needs (greedy, no penalties, no
+    # min_new_tokens mask, no logprobs): the sampler takes one batched argmax when every row is plain.
+    # Derived from the frozen params once, so the per-step check is one attribute read.
+    plain: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.plain = (p.greedy and p.logprobs is None and p.min_new_tokens == 0 and p.repetition_penalty == 1.0
+                      and not p.presence_penalty and not p.frequency_penalty)
 
     @property
     def num_tokens(self) -> int:

@@ -4,16 +4,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)          # slots: a step builds one per scheduled sequence, hundreds per step
 class ScheduledSeq:
     req_id: int
     token_ids: list[int]        # the tokens computed this step (a prompt chunk, or the last sampled token)
     start_pos: int              # position of token_ids[0] == num_computed_tokens before the step
-    block_table: list[int]      # the sequence's whole block table (covers start_pos + len(token_ids))
+    block_table: list[int]      # the sequence's whole block table (covers start_pos + len(token_ids)); a copy
     sample: bool                # True when this chunk ends at the last known token: sample the next one
 
 
-@dataclass
+@dataclass(slots=True)
 class StepPlan:
     seqs: list[ScheduledSeq] = field(default_factory=list)  # one-token entries first (the decodes)
     num_decodes: int = 0        # leading entries with exactly one token
