@@ -116,7 +116,8 @@ class DecodeGraphs:
         n = len(plan.seqs)
         if plan.num_decodes != n or n > self.buckets[-1]:
             return None
-        longest = max(s.start_pos for s in plan.seqs) + 1
+        starts = [s.start_pos for s in plan.seqs]
+        longest = max(starts) + 1
         cap = next((c for c in self.caps if c.cap >= longest), None)
         if cap is None:
             return None
@@ -131,7 +132,7 @@ class DecodeGraphs:
         k = min(table.shape[1], w)
         tables[:n, :k] = table[:, :k]
         ids[:n] = [s.token_ids[0] for s in plan.seqs]
-        pos[:n] = [s.start_pos for s in plan.seqs]
+        pos[:n] = starts
         p = pos[:n]
         slots[:n] = table[np.arange(n), p // bs] * bs + p % bs
         clens[:n] = p + 1
