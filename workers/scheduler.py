@@ -70,27 +70,25 @@ class Scheduler:
         budget = self.config.max_batch_tokens
         bm, bs = self.bm, self.bm.block_size
         decodes: list[Sequence] = []
+        needs: list[int] = []                          # new blocks each decode needs (0 or 1)
         prefills: list[Sequence] = []
-        new_blocks = 0                                 # blocks the decodes need, all together
         for s in self.running:
             left = len(s.prompt_ids) + len(s.output_ids) - s.num_computed_tokens
             if left == 1:
                 decodes.append(s)
-                need = -(-(s.num_computed_tokens + 1) // bs) - len(s.block_table)
-                if need > 0:
-                    new_blocks += need
+                needs.append(max(0, -(-(s.num_computed_tokens + 1) // bs) - len(s.block_table)))
             elif left > 1:
                 prefills.append(s)
         preempted = 0
         # id(seq) → (seq, tokens this step), insertion order
         chosen: dict[int, tuple[Sequence, int]]
+        new_blocks = sum(needs)
         if len(decodes) <= budget and new_blocks <= bm.num_free:
             # The common case: every decode fits, so the general loop below would take them all, in this
             # order, without preempting. Their new blocks come from one `take`, in the same order.
             if new_blocks:
                 fresh = iter(bm.take(new_blocks))
-                for s in decodes:
-                    need = -(-(s.num_computed_tokens + 1) // bs) - len(s.block_table)
+                for s, need in zip(decodes, needs):
                     for _ in range(need):
                         s.block_table.append(next(fresh))
             chosen = {id(s): (s, 1) for s in decodes}
@@ -172,15 +170,10 @@ class Scheduler:
     def commit_step(self) -> list[Sequence]:
         """After the forward pass of the last `schedule()`: `commit` of every chunk, in plan order; returns the
         sequences to sample (those whose chunk reached their last token), in plan order."""
-        bm = self.bm
-        bs, caching = bm.block_size, bm.enable_prefix_caching
         sampled = []
         for seq, n in self._scheduled:
-            seq.num_computed_tokens += n
-            done = seq.num_computed_tokens
-            if caching and done // bs > seq.num_hashed_blocks:
-                bm.register_full_blocks(seq)
-            if done == len(seq.prompt_ids) + len(seq.output_ids):
+            self.commit(seq, n)
+            if seq.num_computed_tokens == seq.num_tokens:
                 sampled.append(seq)
         self._scheduled = []
         return sampled

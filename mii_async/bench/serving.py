@@ -160,8 +160,8 @@ async def _bench(a: argparse.Namespace, target: Any, reqs: list[BenchRequest], r
     return {"target": target.label, **info, "runs": runs}, raw
 
 
-def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> int:
-    a = (parser or build_parser(argparse.ArgumentParser(prog="mii-async bench"))).parse_args(argv)
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser(argparse.ArgumentParser(prog="mii-async bench")).parse_args(argv)
     try:
         return _main(a)
     except MIIAsyncError as exc:
@@ -184,6 +184,9 @@ def _main(a: argparse.Namespace) -> int:
         raise InvalidParameterError("max_concurrency", f"must be at least 1, got {a.max_concurrency}")
     if a.baseline not in (None, "hf"):
         raise InvalidParameterError("baseline", f"the only baseline is 'hf', got {a.baseline!r}")
+    if a.baseline and a.target and not a.model:
+        raise InvalidParameterError("model", "--baseline hf with --target needs --model: the served model's "
+                                    "directory, whose weights the baseline loads")
     if a.target and a.model and not a.tokenizer:
         a.tokenizer = a.model                    # the served model's directory: its tokenizer and weights
     tokenizer, model_dir, context = _load_tokenizer(a)
@@ -285,9 +288,5 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     m.add_argument("--result-json", default=None, metavar="PATH")
     m.add_argument("--plot-dir", default=None, metavar="DIR", help="write PNG figures here (needs matplotlib)")
     m.add_argument("--no-progress", action="store_true")
-    p.set_defaults(func=_from_cli)
+    p.set_defaults(func=_main)
     return p
-
-
-def _from_cli(a: argparse.Namespace) -> int:
-    return _main(a)

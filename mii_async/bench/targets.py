@@ -128,30 +128,31 @@ class OpenAITarget:
             async with self.http.stream("POST", "/v1/completions", json=body) as r:
                 if r.status_code != 200:
                     rec.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
-                async for line in (r.aiter_lines() if rec.error is None else _empty()):
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    ev = json.loads(line[6:])
-                    if "error" in ev:
-                        rec.error = ev["error"].get("message", "error")
-                        continue
-                    if ev.get("choices") and ev["choices"][0].get("text"):
-                        rec.chunk_times.append(time.perf_counter())
-                    if ev.get("usage"):
-                        rec.output_tokens = ev["usage"]["completion_tokens"]
-                        rec.prompt_len = ev["usage"]["prompt_tokens"]
+                else:
+                    async for line in r.aiter_lines():
+                        self._event(rec, line)
         except Exception as exc:  # noqa: BLE001 - counted as failed
             rec.error = f"{type(exc).__name__}: {exc}"
         rec.end = time.perf_counter()
         return rec
 
+    @staticmethod
+    def _event(rec: RequestRecord, line: str) -> None:
+        """One SSE line of a completion stream into the record."""
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            return
+        ev = json.loads(line[6:])
+        if "error" in ev:
+            rec.error = ev["error"].get("message", "error")
+            return
+        if ev.get("choices") and ev["choices"][0].get("text"):
+            rec.chunk_times.append(time.perf_counter())
+        if ev.get("usage"):
+            rec.output_tokens = ev["usage"]["completion_tokens"]
+            rec.prompt_len = ev["usage"]["prompt_tokens"]
+
     async def close(self) -> None:
         await self.http.aclose()
-
-
-async def _empty():
-    return
-    yield
 
 
 class WebSocketTarget:

@@ -114,6 +114,7 @@ def test_bad_arguments_are_clear_errors(tmp_path, capsys):
         (["--goodput", "latency:5"], "goodput"),
         (["--max-concurrency", "0"], "max_concurrency"),
         (["--baseline", "vllm"], "baseline"),
+        (["--target", "tcp://127.0.0.1:9", "--baseline", "hf"], "needs --model"),
     ]
     for args, message in cases:
         assert bench(args + ["--no-progress"]) == 2, args
