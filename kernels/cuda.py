@@ -4,9 +4,9 @@ Kernels are compiled from csrc/*.cu by CuPy (NVRTC, `-arch=sm_90` on Hopper, the
 elsewhere) once per process, and CuPy keeps the binaries in its on-disk cache (~/.cupy/kernel_cache), so
 later processes load them without compiling. Every launch goes on torch's current stream (an ExternalStream
 over its handle), so that kernels order with torch's own work and are captured by torch.cuda.CUDAGraph.
-Prompt chunks go through torch's fused attention kernels (flash / memory-efficient; `prefill_attention`);
-the standalone rotary and KV write, and decode shapes the kernel does not handle (`decode_supported`), run
-the torch reference on the GPU.
+Prompt chunks go through torch's variable-length flash attention, all chunks of a step in one call per layer
+(`prefill_attention`); the standalone rotary and KV write, and decode shapes the kernel does not handle
+(`decode_supported`), run the torch reference on the GPU.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 DECODE_THREADS = 128            # NUM_THREADS in paged_attention_decode.cu
 MAX_GQA = 16                    # MAX_G there: query heads per KV head
 PARTITIONS = (512, 256, 128, 64, 32)   # decode split lengths, in tokens, longest first
+RAGGED_PREFILL = True           # takes AttentionMetadata.prefill_groups (the runner builds them)
 
 rotary_embedding = reference.rotary_embedding
 write_kv = reference.write_kv
@@ -197,11 +198,54 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                       scale: float, out: torch.Tensor) -> None:
-    """The prompt-chunk rows of a step (from num_decodes on), through torch's fused attention kernels: flash
-    for a whole causal prompt, memory-efficient for a chunk over earlier chunks (its mask is bottom-right
-    causal). Both keep the scores in fp32; the reference's GQA call takes torch's math path on CUDA, which
-    rounds the scores to bf16 and, over 32 layers, drifts 4x further from fp32 than transformers does.
-    K/V heads are expanded to the query heads so that the fused kernels take the call."""
+    """The prompt-chunk rows of a step (from num_decodes on), written into `out`. In bf16 / fp16, every chunk
+    of a group in one call of torch's variable-length flash attention: its keys and values are gathered from
+    the blocked cache with one index each (`meta.prefill_groups`), GQA is native, and a chunk's causal mask is
+    aligned to the end of its context (a chunk over earlier chunks sees all of them). Scores stay in fp32.
+    Other dtypes, or a torch without flash attention, take `_prefill_per_sequence`."""
+    if not _flash_varlen_ok(q):
+        _prefill_per_sequence(q, k_cache, v_cache, meta, scale, out)
+        return
+    groups = meta.prefill_groups
+    if groups is None:                      # metadata not built by the runner (tests, tools): build it here
+        groups = _groups_from(meta, k_cache.shape[1], q.device)
+    n, bs, hkv, d = k_cache.shape
+    keys, vals = k_cache.view(n * bs, hkv, d), v_cache.view(n * bs, hkv, d)
+    for g in groups:
+        a, b = g.rows
+        o = torch.ops.aten._flash_attention_forward(
+            q[a:b], keys.index_select(0, g.kv_slots), vals.index_select(0, g.kv_slots), g.cu_q, g.cu_k,
+            g.max_q, g.max_k, 0.0, True, False, scale=scale)[0]
+        out[a:b] = o
+
+
+@functools.cache
+def _flash_available() -> bool:
+    check = getattr(torch.backends.cuda, "is_flash_attention_available", None)
+    return bool(check and check()) and hasattr(torch.ops.aten, "_flash_attention_forward") \
+        and torch.cuda.get_device_capability() >= (8, 0)
+
+
+def _flash_varlen_ok(q: torch.Tensor) -> bool:
+    d = q.shape[-1]
+    return q.dtype in (torch.bfloat16, torch.float16) and d % 8 == 0 and d <= 256 and _flash_available()
+
+
+def _groups_from(meta: AttentionMetadata, block_size: int, device: torch.device):
+    from .metadata import device_groups, prefill_layout
+
+    layout, groups = prefill_layout(meta.block_tables.cpu().numpy(), meta.query_lens, meta.context_lens_host,
+                                    meta.num_decodes, block_size)
+    return device_groups(torch.from_numpy(layout).to(device), groups)
+
+
+def _prefill_per_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                          scale: float, out: torch.Tensor) -> None:
+    """One sequence at a time through SDPA's fused kernels: flash for a whole causal prompt, memory-efficient
+    for a chunk over earlier chunks (its mask is bottom-right causal). Both keep the scores in fp32; the
+    reference's GQA call takes torch's math path on CUDA, which rounds the scores to bf16 and, over 32 layers,
+    drifts 4x further from fp32 than transformers does. K/V heads are expanded to the query heads so that the
+    fused kernels take the call."""
     import torch.nn.functional as F
 
     bs = k_cache.shape[1]

@@ -72,17 +72,21 @@ class SchedulerConfig:
     max_batch_tokens: int | None = None  # SplitFuse token budget per step (decodes + prompt chunks); None: 512 on
                                          # CPU, 2048 on a GPU
     max_num_seqs: int | None = None      # running sequences at most; None: 64 on CPU, 256 on a GPU
+    async_scheduling: bool | None = None  # plan and launch step N+1 while step N runs, its sampled ids still on
+                                          # the device; None: on a GPU, for a replica of one process
 
     DEFAULTS = {"cpu": (512, 64), "cuda": (2048, 256)}
 
     def __post_init__(self) -> None:
         _pos_int(self, "max_batch_tokens", optional=True)
         _pos_int(self, "max_num_seqs", optional=True)
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise InvalidParameterError("async_scheduling", f"must be true, false or null, got {self.async_scheduling!r}")
 
     def resolved(self, device_type: str) -> SchedulerConfig:
         """This config with the device's defaults in place of None."""
         tokens, seqs = self.DEFAULTS["cuda" if device_type == "cuda" else "cpu"]
-        return SchedulerConfig(self.max_batch_tokens or tokens, self.max_num_seqs or seqs)
+        return SchedulerConfig(self.max_batch_tokens or tokens, self.max_num_seqs or seqs, self.async_scheduling)
 
 
 @dataclass(frozen=True)

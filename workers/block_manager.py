@@ -126,8 +126,9 @@ class BlockManager:
         self.hit_tokens += seq.num_cached_prompt_tokens
 
     def register_full_blocks(self, seq: Sequence) -> None:
-        """After a step: records the hash of every block of `seq` that is now full of computed tokens."""
-        full = seq.num_computed_tokens // self.block_size
+        """After a step: records the hash of every block of `seq` that is now full of computed tokens whose
+        ids are known (a placeholder of async scheduling waits until its token is read)."""
+        full = min(seq.num_computed_tokens, seq.num_tokens - seq.num_pending) // self.block_size
         if not self.enable_prefix_caching or full <= seq.num_hashed_blocks:
             return                        # the usual decode step: no block filled up
         for i in range(seq.num_hashed_blocks, full):

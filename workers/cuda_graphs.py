@@ -25,7 +25,8 @@ from .step_plan import StepPlan
 
 log = logging.getLogger("mii_async.workers.cuda_graphs")
 CONTEXT_CAPS = (2048, 8192)      # decode steps with longer contexts run eagerly
-_FIELDS = 4                      # ids, positions, slots, context lengths; then the block tables
+_FIELDS = 6                      # ids, positions, slots, context lengths, placeholder rows and sources (async
+                                 # scheduling); then the block tables
 
 
 def graph_reserve(max_batch: int, vocab_size: int) -> int:
@@ -44,20 +45,27 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 class _Cap:
-    """The persistent inputs and the graphs of one context cap."""
+    """The persistent inputs and the graphs of one context cap.
+
+    Two pinned host mirrors, used in turn: with async scheduling the next step's inputs are written while the
+    copy of this step's may still be queued on the device; the one before it has run by then (its ids were
+    read)."""
 
     def __init__(self, cap: int, max_batch: int, block_size: int, scratch_block: int, device: torch.device) -> None:
         self.cap, self.width, self.max_batch = cap, -(-cap // block_size), max_batch
         n = _FIELDS * max_batch + max_batch * self.width
-        self.host = torch.empty(n, dtype=torch.int64, pin_memory=True)
-        self.np = self.host.numpy()
-        self.np[:] = 0
-        self.np[2 * max_batch:3 * max_batch] = scratch_block * block_size   # warm-up writes hit the scratch block
-        self.np[3 * max_batch:4 * max_batch] = 1
-        self.np[_FIELDS * max_batch:] = scratch_block      # every table entry a valid block
-        self.dev = self.host.to(device)
+        self.hosts = [torch.empty(n, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self.nps = [h.numpy() for h in self.hosts]
+        for a in self.nps:
+            a[:] = 0
+            a[2 * max_batch:3 * max_batch] = scratch_block * block_size   # warm-up writes hit the scratch block
+            a[3 * max_batch:4 * max_batch] = 1
+            a[_FIELDS * max_batch:] = scratch_block      # every table entry a valid block
+        self.turn = 0
+        self.dev = self.hosts[0].to(device)
         b = max_batch
-        self.ids, self.pos, self.slots, self.clens = (self.dev[i * b:(i + 1) * b] for i in range(_FIELDS))
+        self.ids, self.pos, self.slots, self.clens = (self.dev[i * b:(i + 1) * b] for i in range(4))
+        self.patch = self.dev[4 * b:6 * b]               # placeholder rows and their sources (not graph inputs)
         self.tables = self.dev[_FIELDS * b:].view(b, self.width)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
@@ -111,8 +119,9 @@ class DecodeGraphs:
                                  max_context_len=cap.cap, query_lens=[1] * b, context_lens_host=[cap.cap] * b)
         return self.model.forward(cap.ids[:b], cap.pos[:b], self.kv_caches, meta, self.rows[:b])
 
-    def run(self, plan: StepPlan) -> torch.Tensor | None:
-        """Logits [len(plan.seqs), V] of a decode-only step from its graph; None when no graph fits it."""
+    def run(self, plan: StepPlan, pending: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Logits [len(plan.seqs), V] of a decode-only step from its graph; None when no graph fits it.
+        `pending`: the ids of the step in flight, which placeholder ids stand for (async scheduling)."""
         n = len(plan.seqs)
         if plan.num_decodes != n or n > self.buckets[-1]:
             return None
@@ -122,8 +131,8 @@ class DecodeGraphs:
         if cap is None:
             return None
         b = next(x for x in self.buckets if x >= n)
-        m, w, a = cap.max_batch, cap.width, cap.np
-        ids, pos, slots, clens = (a[i * m:i * m + b] for i in range(_FIELDS))
+        m, w, a = cap.max_batch, cap.width, cap.nps[cap.turn]
+        ids, pos, slots, clens = (a[i * m:i * m + b] for i in range(4))
         tables = a[_FIELDS * m:].reshape(m, w)
         bs = self.block_size
         # The whole batch in a few numpy calls (no per-row element writes): rows past a table's end, and
@@ -137,8 +146,16 @@ class DecodeGraphs:
         slots[:n] = table[np.arange(n), p // bs] * bs + p % bs
         clens[:n] = p + 1
         ids[n:], pos[n:], slots[n:], clens[n:] = 0, 0, self.scratch_slot, 1
+        neg = np.flatnonzero(ids[:n] < 0) if pending is not None else ()
+        if len(neg):
+            a[4 * m:4 * m + len(neg)] = neg
+            np.subtract(-1, ids[neg], out=a[5 * m:5 * m + len(neg)])
         used = _FIELDS * m + b * w
-        cap.dev[:used].copy_(cap.host[:used], non_blocking=True)
+        cap.dev[:used].copy_(cap.hosts[cap.turn][:used], non_blocking=True)
+        cap.turn ^= 1
+        if len(neg):
+            assert pending is not None
+            cap.ids.index_copy_(0, cap.patch[:len(neg)], pending.index_select(0, cap.patch[m:m + len(neg)]))
         cap.graphs[b].replay()
         self.replays += 1
         return self.logits[:n]

@@ -28,7 +28,7 @@ from .memory_plan import MemoryPlan, plan_kv, profile_step
 from .models.llama import LlamaModel
 from .parallel import TPGroup
 from .runner import Runner
-from .sampler import Sampler, TokenLogprobs
+from .sampler import PendingSample, Sampler, TokenLogprobs
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 
@@ -42,6 +42,14 @@ class EngineOutput(NamedTuple):
     logprobs: TokenLogprobs | None
     finish_reason: str | None           # "stop" (EOS / stop id) | "length" | None while running
     cached_tokens: int                  # prompt tokens this request took from the prefix cache
+
+
+class _InFlight(NamedTuple):
+    """A step launched and not read yet (async scheduling)."""
+    seqs: list[Sequence]                # the sampled sequences, in row order
+    slots: list[int]                    # where each one's placeholder sits in its output_ids
+    sample: PendingSample
+    history_free: bool                  # no row's sampling reads the output so far
 
 
 class Engine:
@@ -78,7 +86,7 @@ class Engine:
         self.config = config = dataclasses.replace(config, scheduler=sched)
         self.sampler = Sampler(spec.vocab_size, spec.eos_token_ids, self.device)
         graphs = self.device.type == "cuda" and mc.cuda_graphs and tp is None   # TP graphs: not yet
-        max_graph_batch = min(sched.max_num_seqs, 256)
+        max_graph_batch = min(sched.max_num_seqs, 512)
         self.memory_plan = None
         per_block = kv_cache.bytes_per_block(kv_spec, cc.block_size, self.dtype)
         if cc.num_blocks:
@@ -108,6 +116,11 @@ class Engine:
                      self.memory_plan.describe(), measured / 2**30, sched.max_batch_tokens, sched.max_num_seqs)
         self.seqs: dict[int, Sequence] = {}
         self.num_steps = 0
+        self.async_scheduling = (sched.async_scheduling if sched.async_scheduling is not None
+                                 else self.device.type == "cuda")
+        if tp is not None:
+            self.async_scheduling = False   # the other ranks would need the device ids too: not yet
+        self._inflight: _InFlight | None = None
 
     # -- requests ------------------------------------------------------------------------------------
     @property
@@ -127,6 +140,7 @@ class Engine:
         assert req_id not in self.seqs, f"request id {req_id} is already live"
         self.check_request(prompt_ids, params)
         seq = Sequence(req_id, list(prompt_ids), params)
+        seq.max_tokens = min(seq.max_tokens, self.max_model_len)
         self.seqs[req_id] = seq
         self.scheduler.add(seq)
 
@@ -140,10 +154,14 @@ class Engine:
         return True
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self._inflight is not None or self.scheduler.has_work()
 
     # -- the step ------------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
+        """Advances by one step; returns the tokens sampled. With async scheduling these are the previous
+        step's: this one is launched first, so that the device never waits for the host's bookkeeping."""
+        if self.async_scheduling:
+            return self._step_async()
         plan = self.scheduler.schedule()
         if not plan:
             return []
@@ -173,6 +191,65 @@ class Engine:
         if finished:
             self._finish(finished)
         self.num_steps += 1
+        return outputs
+
+    def _step_async(self) -> list[EngineOutput]:
+        """Schedules and launches step N+1 while step N runs, then reads N's ids. N's sampled sequences hold
+        placeholders that N+1's inputs take from the device; one whose token turns out to end it wasted a row
+        of N+1, which is dropped. Steps wait for N first when a row of N+1 would sample from a history that
+        holds a placeholder (penalties)."""
+        prev, self._inflight = self._inflight, None
+        outputs: list[EngineOutput] = []
+        if prev is not None and not prev.history_free:
+            outputs, prev = self._read(prev), None
+        plan = self.scheduler.schedule()
+        if plan:
+            logits = self.runner.execute(plan, prev.sample.token_ids if prev is not None else None)
+            sampled = self.scheduler.commit_step()
+            sample = self.sampler.launch(logits, sampled)
+            slots = []
+            for i, seq in enumerate(sampled):
+                seq.output_ids.append(-1 - i)
+                seq.num_pending += 1
+                slots.append(len(seq.output_ids) - 1)
+            self._inflight = _InFlight(sampled, slots, sample, all(s.history_free for s in sampled))
+            self.num_steps += 1
+        if prev is not None:
+            outputs = self._read(prev)
+        return outputs
+
+    def flush(self) -> list[EngineOutput]:
+        """Reads the step in flight, if any (async scheduling): afterwards no output id is a placeholder."""
+        prev, self._inflight = self._inflight, None
+        return self._read(prev) if prev is not None else []
+
+    def _read(self, step: _InFlight) -> list[EngineOutput]:
+        """Reads a launched step's ids into its sequences' placeholders; ends those that are done."""
+        result = self.sampler.resolve(step.sample)
+        outputs, finished = [], []
+        eos, register = self.spec.eos_token_ids, self.block_manager.register_full_blocks
+        for seq, at, tok, lp in zip(step.seqs, step.slots, result.token_ids, result.logprobs):
+            if seq.status is Status.FINISHED:
+                continue                     # aborted, or ended by the step before: its row is dropped
+            out = seq.output_ids
+            out[at] = tok
+            seq.num_pending -= 1
+            p, n = seq.params, at + 1
+            if n >= p.min_new_tokens and (tok in p.stop_token_ids or (not p.ignore_eos and tok in eos)):
+                reason: str | None = "stop"
+            elif len(seq.prompt_ids) + n >= seq.max_tokens:
+                reason = "length"
+            else:
+                reason = None
+            if reason is not None:
+                del out[n:]                  # the next step's placeholder, if it was scheduled
+                seq.num_pending = 0
+                finished.append(seq)
+            if seq.num_pending == 0 and seq.status is Status.RUNNING:
+                register(seq)                # blocks whose hashing waited on this token
+            outputs.append(EngineOutput(seq.req_id, tok, lp, reason, seq.num_cached_prompt_tokens))
+        if finished:
+            self._finish(finished)
         return outputs
 
     def _finish(self, seqs: list[Sequence]) -> None:

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from mii_async.kernels.metadata import AttentionMetadata
+from mii_async.kernels.metadata import AttentionMetadata, HostGroup, device_groups, prefill_layout
 
 from .models.llama import LlamaModel
 from .step_plan import ScheduledSeq, StepPlan
@@ -38,11 +38,15 @@ class HostInputs(NamedTuple):
     width: int                 # W, blocks per padded table row
     query_lens: list[int]      # [S] host copies the attention metadata carries
     context_lens: list[int]    # [S]
+    groups: list[HostGroup]    # the prompt chunks' ragged layout (`prefill_layout`), after the tables; or []
+    patch: int                 # P placeholder ids (async scheduling): [P] their rows, [P] their sources, last
 
 
-def host_inputs(plan: StepPlan, block_size: int) -> HostInputs:
+def host_inputs(plan: StepPlan, block_size: int, ragged: bool = False, pending: bool = False) -> HostInputs:
     """The step's int64 inputs: per-sequence Python work is one read of each field; positions, slots and
-    sampled rows are computed for the whole batch by numpy."""
+    sampled rows are computed for the whole batch by numpy. With `ragged`, the prompt chunks' layout for a
+    variable-length attention kernel follows the block tables. With `pending`, ids may be placeholders
+    (−1 − r: the r-th id the step in flight samples): their rows and sources end the buffer."""
     seqs = plan.seqs
     n = len(seqs)
     starts = [s.start_pos for s in seqs]
@@ -57,14 +61,31 @@ def host_inputs(plan: StepPlan, block_size: int) -> HostInputs:
     num_tok, width = len(ids), tables.shape[1]
     sample = np.fromiter((s.sample for s in seqs), np.bool_, n)
     num_sampled = int(sample.sum())
-    buf = np.empty(3 * num_tok + 2 * n + 1 + num_sampled + n * width, np.int64)
+    groups: list[HostGroup] = []
+    layout = None
+    base = 3 * num_tok + 2 * n + 1 + num_sampled + n * width
+    if ragged and plan.num_decodes < n:
+        layout, groups = prefill_layout(tables, qlens, clens, plan.num_decodes, block_size)
+        groups = [g._replace(slots=(g.slots[0] + base, g.slots[1] + base), cu=g.cu + base) for g in groups]
+    neg = None
+    if pending:
+        ids = np.asarray(ids, np.int64)
+        neg = np.flatnonzero(ids < 0)
+    npatch = 0 if neg is None else len(neg)
+    end = base + (0 if layout is None else len(layout))
+    buf = np.empty(end + 2 * npatch, np.int64)
     o = num_tok
     ids_v, pos_v, slots_v = buf[:o], buf[o:2 * o], buf[2 * o:3 * o]
     o *= 3
     clens_v, qsl_v = buf[o:o + n], buf[o + n:o + 2 * n + 1]
     o += 2 * n + 1
     rows_v = buf[o:o + num_sampled]
-    tables_v = buf[o + num_sampled:].reshape(n, width)
+    tables_v = buf[o + num_sampled:base].reshape(n, width)
+    if layout is not None:
+        buf[base:end] = layout
+    if npatch:
+        buf[end:end + npatch] = neg
+        np.subtract(-1, ids[neg], out=buf[end + npatch:])
     ids_v[:] = ids
     clens_v[:] = clens
     assert ((clens_v + block_size - 1) // block_size <= lens).all(), "a block table does not cover its tokens"
@@ -80,7 +101,14 @@ def host_inputs(plan: StepPlan, block_size: int) -> HostInputs:
         np.subtract(np.arange(num_tok), qsl_v[:-1][seq_of], out=pos_v)
         pos_v += np.asarray(starts, np.int64)[seq_of]
     slots_v[:] = tables[seq_of, pos_v // block_size] * block_size + pos_v % block_size
-    return HostInputs(buf, num_tok, num_sampled, width, qlens, clens)
+    return HostInputs(buf, num_tok, num_sampled, width, qlens, clens, groups, npatch)
+
+
+def fill_pending(ids: torch.Tensor, patch: torch.Tensor, pending: torch.Tensor | None) -> None:
+    """Writes the placeholder rows of `ids` from `pending` on the device: patch [2P] = P rows, P sources."""
+    assert pending is not None, "placeholder ids in a plan without the step they wait on"
+    p = patch.shape[0] // 2
+    ids.index_copy_(0, patch[:p], pending.index_select(0, patch[p:]))
 
 
 class Runner:
@@ -91,23 +119,28 @@ class Runner:
         self.block_size = block_size
         self.device = device
         self.graphs = None            # DecodeGraphs, once captured (a GPU replica with cuda_graphs)
+        self.ragged = getattr(model.ops, "RAGGED_PREFILL", False)   # the op set takes prefill_groups
 
-    def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Runs one step; returns logits [number of sampled seqs, V] in plan order."""
+    def execute(self, plan: StepPlan, pending: torch.Tensor | None = None) -> torch.Tensor:
+        """Runs one step; returns logits [number of sampled seqs, V] in plan order. `pending`: the ids the step
+        in flight samples, on the device, which placeholder ids in the plan stand for (async scheduling)."""
         if self.graphs is not None:
-            logits = self.graphs.run(plan)
+            logits = self.graphs.run(plan, pending)
             if logits is not None:
                 return logits
-        h = host_inputs(plan, self.block_size)
+        h = host_inputs(plan, self.block_size, self.ragged, pending is not None)
         buf = torch.from_numpy(h.buf)
         if self.device.type != "cpu":
             # Pinned (torch's caching host allocator keeps the block until the copy is done), then one
             # asynchronous copy: no sync here; the sampler's one read-back per step is the sync.
             buf = buf.pin_memory().to(self.device, non_blocking=True)
         t, n, r, w = h.num_tokens, len(h.query_lens), h.num_sampled, h.width
+        if h.patch:
+            fill_pending(buf[:t], buf[-2 * h.patch:], pending)
         o = 3 * t + 2 * n + 1                         # [T] ids, positions, slots; [S] clens; [S+1] qsl
-        meta = AttentionMetadata(slot_mapping=buf[2 * t:3 * t], block_tables=buf[o + r:].view(n, w),
+        meta = AttentionMetadata(slot_mapping=buf[2 * t:3 * t], block_tables=buf[o + r:o + r + n * w].view(n, w),
                                  context_lens=buf[3 * t:3 * t + n], query_start_loc=buf[3 * t + n:o],
                                  num_decodes=plan.num_decodes, max_context_len=max(h.context_lens),
-                                 query_lens=h.query_lens, context_lens_host=h.context_lens)
+                                 query_lens=h.query_lens, context_lens_host=h.context_lens,
+                                 prefill_groups=device_groups(buf, h.groups) if h.groups else None)
         return self.model.forward(buf[:t], buf[t:2 * t], self.kv_caches, meta, buf[o:o + r])

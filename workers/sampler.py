@@ -30,6 +30,13 @@ class SampleResult(NamedTuple):
     logprobs: list[TokenLogprobs | None]
 
 
+class PendingSample(NamedTuple):
+    """A step's choice, enqueued on the device and not read yet."""
+    token_ids: torch.Tensor              # [S] int64 on the device
+    num_rows: int
+    logprobs: tuple | None = None        # (rows, n per row, own [L], top values [L, k], top ids [L, k])
+
+
 class Sampler:
     def __init__(self, vocab_size: int, end_ids: frozenset[int], device: torch.device) -> None:
         self.vocab_size = vocab_size
@@ -50,20 +57,22 @@ class Sampler:
             self._generators[seq.req_id] = g
         return g
 
-    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        """logits [S, V] fp32 (one row per sampled sequence, in `seqs` order) → one token per row.
+        """logits [S, V] fp32 (one row per sampled sequence, in `seqs` order) → one token per row."""
+        return self.resolve(self.launch(logits, seqs))
 
-        The chosen ids are the step's one device → host sync; no other path reads device values (the filters
-        decide on host params). With logprobs, their values are enqueued before that read, so their own
-        reads after it wait on no further work."""
+    @torch.inference_mode()
+    def launch(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
+        """Enqueues the choice of one token per row; nothing is read back (`resolve` does). The filters decide
+        on host params, so the plain path never waits on the device; the others may, where they build index or
+        parameter tensors from host lists."""
         if all(map(_plain, seqs)):
             # Greedy, no penalties, no masks, no logprobs (a benchmark's or a greedy batch's usual step):
             # nothing writes the logits, so the argmax reads them without the fp32 copy.
             lg = logits[:, : self.vocab_size]
             if lg.dtype != torch.float32:
                 lg = lg.float()
-            return SampleResult(torch.argmax(lg, -1).tolist(), [None] * len(seqs))
+            return PendingSample(torch.argmax(lg, -1), len(seqs))
         logits = logits[:, : self.vocab_size].to(torch.float32, copy=True)   # penalties write in place
         self._penalize(logits, seqs)
         want_lp = [s.params.logprobs for s in seqs]
@@ -83,20 +92,26 @@ class Sampler:
                 if seqs[i].params.seed is not None:
                     noise[j].exponential_(generator=self._generator(seqs[i]))
             chosen[idx] = torch.argmax(probs / noise, -1)
-
-        out_lp: list[TokenLogprobs | None] = [None] * len(seqs)
         if logprobs is None:
-            return SampleResult(chosen.tolist(), out_lp)
+            return PendingSample(chosen, len(seqs))
         # Every logprob row at once: the chosen token's value and the top max(n), cut to each row's n.
         idx = torch.tensor(lp_rows, device=logits.device)
         own = logprobs.gather(1, chosen[idx][:, None])[:, 0]     # [L]
         k = max(want_lp[i] for i in lp_rows)
         top_v, top_i = torch.topk(logprobs, k, -1) if k else (logprobs[:, :0], logprobs[:, :0].long())
-        token_ids = chosen.tolist()
-        own_l, top_vl, top_il = own.tolist(), top_v.tolist(), top_i.tolist()
-        for j, i in enumerate(lp_rows):
-            n = want_lp[i]
-            out_lp[i] = TokenLogprobs(own_l[j], list(zip(top_il[j][:n], top_vl[j][:n])))
+        return PendingSample(chosen, len(seqs), (lp_rows, [want_lp[i] for i in lp_rows], own, top_v, top_i))
+
+    @staticmethod
+    def resolve(p: PendingSample) -> SampleResult:
+        """The chosen ids (the step's one device → host read) and the logprobs, whose values were enqueued
+        before it, so that their reads wait on no further work."""
+        token_ids = p.token_ids.tolist()
+        out_lp: list[TokenLogprobs | None] = [None] * p.num_rows
+        if p.logprobs is not None:
+            rows, ns, own, top_v, top_i = p.logprobs
+            own_l, top_vl, top_il = own.tolist(), top_v.tolist(), top_i.tolist()
+            for j, (i, n) in enumerate(zip(rows, ns)):
+                out_lp[i] = TokenLogprobs(own_l[j], list(zip(top_il[j][:n], top_vl[j][:n])))
         return SampleResult(token_ids, out_lp)
 
     def _penalize(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:

@@ -73,8 +73,11 @@ class Scheduler:
         needs: list[int] = []                          # new blocks each decode needs (0 or 1)
         prefills: list[Sequence] = []
         for s in self.running:
-            left = len(s.prompt_ids) + len(s.output_ids) - s.num_computed_tokens
+            total = len(s.prompt_ids) + len(s.output_ids)
+            left = total - s.num_computed_tokens
             if left == 1:
+                if s.num_pending and total >= s.max_tokens:
+                    continue                           # its pending token is its last: it ends when read
                 decodes.append(s)
                 needs.append(max(0, -(-(s.num_computed_tokens + 1) // bs) - len(s.block_table)))
             elif left > 1:
@@ -117,6 +120,8 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending:
+                break                           # preempted with a token in flight: next step, once it is read
             if not seq.block_table:
                 bm.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, bm.max_appendable(seq))

@@ -26,15 +26,26 @@ class Sequence:
     status: Status = Status.WAITING
     num_cached_prompt_tokens: int = 0    # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0
+    # Async scheduling: the last `num_pending` output ids are placeholders for tokens a step still in flight
+    # samples (−1 − r: the r-th id that step samples, on the device); the engine writes them in when it reads
+    # that step's ids. Prefix hashing and admission wait for them.
+    num_pending: int = 0
+    max_tokens: int = 0                  # prompt + output at which the request ends by length (0: prompt +
+                                         # max_new_tokens; the engine caps it by the context)
     # True when the argmax of the raw logits is all this request ever needs (greedy, no penalties, no
     # min_new_tokens mask, no logprobs): the sampler takes one batched argmax when every row is plain.
     # Derived from the frozen params once, so the per-step check is one attribute read.
     plain: bool = field(init=False)
+    # True when sampling never reads the output so far (no repetition / presence / frequency penalty): a step
+    # may then be sampled while this request's previous token is still a placeholder.
+    history_free: bool = field(init=False)
 
     def __post_init__(self) -> None:
         p = self.params
-        self.plain = (p.greedy and p.logprobs is None and p.min_new_tokens == 0 and p.repetition_penalty == 1.0
-                      and not p.presence_penalty and not p.frequency_penalty)
+        self.history_free = p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+        self.plain = p.greedy and p.logprobs is None and p.min_new_tokens == 0 and self.history_free
+        if not self.max_tokens:
+            self.max_tokens = len(self.prompt_ids) + p.max_new_tokens
 
     @property
     def num_tokens(self) -> int:

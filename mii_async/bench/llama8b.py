@@ -8,7 +8,8 @@ parity   last-position prefill logits (4 prompts) and one decode step against tr
 bs1      batch-1 decode after a 128-token prompt: ms per step with CUDA graphs, eager, and HF generate
 offline  1,024 requests of 128 in / 128 out, all at once: output tokens/s (HF: 256 of them in one batch)
 mixed    1,000 requests, inputs uniform in [64, 1024], outputs in [64, 512], all at once: tokens/s, TTFT, ITL
-profile  where the GPU time of decode steps goes (GEMMs, attention, norms, sampling, …) and host time
+profile  where the GPU time of a step goes (GEMMs, attention, norms, sampling, …) for decode and mixed steps,
+         and, with graphs, a step's host parts beside its graph's GPU time
 
 Floors: weight bytes / 4.25 TB/s per decode step; FLOPs / 782 TFLOP/s (../shared/device/README.md).
 """
@@ -31,7 +32,7 @@ SHAPE = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_h
              rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False)
 
 
-def build(seed: int = 0, kernels: str = "auto"):
+def build(seed: int = 0, kernels: str = "auto", **engine_kwargs):
     """transformers' model with random weights on the GPU, and our engine over the same tensors."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -50,7 +51,7 @@ def build(seed: int = 0, kernels: str = "auto"):
     # 60% of the device: the KV pool still holds every benchmark's working set, and the parity check has room
     # for an fp32 copy of transformers' model as its reference.
     engine = Engine(EngineConfig.from_kwargs(d, dtype="bfloat16", device="cuda", gpu_memory_utilization=0.6,
-                                            kernels=kernels),
+                                            kernels=kernels, **engine_kwargs),
                     weights={k: v for k, v in hf.state_dict().items()})
     print(f"engine ready in {time.perf_counter() - t0:.1f} s; {engine.memory_plan.describe() if engine.memory_plan else ''}",
           flush=True)
@@ -211,26 +212,43 @@ CATEGORIES = (("gemm", ("gemm", "cutlass", "xmma", "sm90", "cublas", "nvjet")), 
               ("sampling", ("argmax", "softmax", "sort", "topk", "exponential", "cumsum")))
 
 
-def profile(engine, batch: int, steps: int = 8) -> dict:
-    """GPU time per decode step by category (eager, so that each kernel shows) and the step's wall time."""
+def _running(engine, batch: int, steps: int, base: int) -> None:
+    """`batch` requests of 128-token prompts, stepped until each has sampled twice (decoding from then on)."""
+    for i, p in enumerate(prompts(batch, 128, 128, 7)):
+        engine.add_request(base + i, p, mii_async.SamplingParams(max_new_tokens=steps + 4, ignore_eos=True))
+    while any(len(s.output_ids) - s.num_pending < 2 for s in engine.seqs.values()):
+        engine.step()
+    engine.flush()
+
+
+def _finish(engine) -> None:
+    while engine.has_work():
+        engine.step()
+
+
+def profile(engine, batch: int, steps: int = 8, prompt_len: int = 0) -> dict:
+    """GPU time per step by category (eager, so that each kernel shows) and the step's wall time. With
+    `prompt_len`, new prompts of that length arrive once the batch decodes, so that the profiled steps are
+    mixed: the decodes plus prompt chunks filling the token budget."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     graphs, engine.runner.graphs = engine.runner.graphs, None
-    ps = prompts(batch, 128, 128, 7)
-    for i, p in enumerate(ps):
-        engine.add_request(70_000 + i, p, mii_async.SamplingParams(max_new_tokens=steps + 4, ignore_eos=True))
-    while any(len(s.output_ids) < 2 for s in engine.seqs.values()):
-        engine.step()
+    _running(engine, batch, steps, 70_000)
+    if prompt_len:
+        for i, p in enumerate(prompts(16, prompt_len, prompt_len, 8)):
+            engine.add_request(71_000 + i, p, mii_async.SamplingParams(max_new_tokens=2, ignore_eos=True))
     torch.cuda.synchronize()
+    tokens = 0
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
+            before = sum(s.num_computed_tokens for s in engine.seqs.values())
             engine.step()
+            tokens += sum(s.num_computed_tokens for s in engine.seqs.values()) - before
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / steps
-    while engine.has_work():
-        engine.step()
+    _finish(engine)
     engine.runner.graphs = graphs
     cats: dict[str, float] = {}
     for ev in prof.key_averages():
@@ -241,8 +259,56 @@ def profile(engine, batch: int, steps: int = 8) -> dict:
         cat = next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other")
         cats[cat] = cats.get(cat, 0.0) + us / 1e3 / steps
     gpu = sum(cats.values())
-    return {"batch": batch, "wall_ms_per_step": 1e3 * wall, "gpu_ms_per_step": gpu,
+    return {"batch": batch, "prompt_len": prompt_len, "tokens_per_step_approx": tokens / steps,
+            "wall_ms_per_step": 1e3 * wall, "gpu_ms_per_step": gpu,
             "host_or_idle_ms_per_step": 1e3 * wall - gpu, **{f"{k}_ms": v for k, v in sorted(cats.items())}}
+
+
+def graph_steps(engine, batch: int, steps: int = 16) -> dict:
+    """Decode steps replayed from graphs: wall per step, the graph's own GPU time (replays alone, CUDA events),
+    and the host parts of a step timed one by one (with a sync before sampling, so that it waits on nothing)."""
+    g = engine.runner.graphs
+    if g is None:
+        return {}
+    _running(engine, batch, 2 * steps + 4, 80_000)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = (time.perf_counter() - t0) / steps
+    engine.flush()
+    parts = {"schedule": 0.0, "launch": 0.0, "gpu_wait": 0.0, "sample": 0.0, "commit_and_outputs": 0.0}
+    sched, runner = engine.scheduler, engine.runner
+    for _ in range(steps):                       # Engine.step, split (no TP here)
+        t = [time.perf_counter()]
+        plan = sched.schedule()
+        t.append(time.perf_counter())
+        logits = runner.execute(plan)
+        t.append(time.perf_counter())
+        torch.cuda.synchronize()
+        t.append(time.perf_counter())
+        sampled = sched.commit_step()
+        result = engine.sampler(logits, sampled)
+        t.append(time.perf_counter())
+        for seq, tok in zip(sampled, result.token_ids):
+            seq.output_ids.append(tok)
+        t.append(time.perf_counter())
+        for k, a, b in zip(parts, t, t[1:]):
+            parts[k] += 1e3 * (b - a) / steps
+    b = next(x for x in g.buckets if x >= batch)
+    cap = g.caps[0]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        cap.graphs[b].replay()
+    end.record()
+    torch.cuda.synchronize()
+    for s in list(engine.seqs.values()):
+        engine.abort(s.req_id)
+    replay = start.elapsed_time(end) / steps
+    return {"batch": batch, "wall_ms_per_step": 1e3 * wall, "graph_gpu_ms": replay,
+            "host_exposed_ms": 1e3 * wall - replay, "async_scheduling": engine.async_scheduling,
+            **{f"{k}_ms": v for k, v in parts.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,9 +316,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="parity,bs1,offline,mixed,profile")
     ap.add_argument("--json", default=None)
     ap.add_argument("--kernels", default="auto", help="auto (the CuPy kernels) or reference (torch ops)")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="the scheduler's (default: the GPU default)")
+    ap.add_argument("--max-batch-tokens", type=int, default=None, help="the token budget (default: the GPU default)")
     a = ap.parse_args(argv)
     parts = a.only.split(",")
-    hf, engine = build(kernels=a.kernels)
+    sched = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("max_batch_tokens", a.max_batch_tokens)) if v}
+    hf, engine = build(kernels=a.kernels, **sched)
     results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                      "weights_gb": weight_bytes(hf) / 1e9, "kernels": engine.kernels,
                      "graphs": bool(engine.runner.graphs), "num_blocks": engine.num_blocks,
@@ -263,7 +332,10 @@ def main(argv: list[str] | None = None) -> int:
         results["graph_memory_gib"] = engine.runner.graphs.memory / 2**30
     steps = {"parity": lambda: parity(hf, engine), "bs1": lambda: bs1(hf, engine),
              "offline": lambda: offline(hf, engine), "mixed": lambda: mixed(engine),
-             "profile": lambda: {"bs1": profile(engine, 1), "bs256": profile(engine, 256)}}
+             "profile": lambda: {"bs1": profile(engine, 1), "bs256": profile(engine, 256),
+                                 "mixed_128_decodes_1024_prompts": profile(engine, 128, prompt_len=1024),
+                                 "graphs_bs1": graph_steps(engine, 1), "graphs_bs64": graph_steps(engine, 64),
+                                 "graphs_bs256": graph_steps(engine, 256)}}
     for name in parts:
         t0 = time.perf_counter()
         results[name] = steps[name]()

@@ -157,7 +157,7 @@ def test_paged_attention_decode_every_partition(partition):
     assert rel(out, ref) < TOL[torch.bfloat16]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_mixed_batch_attention(dtype):
     """A SplitFuse batch (decodes first, then prompt chunks attending to earlier chunks) matches the reference."""
     qlens, clens = [1, 1, 1, 40, 7, 300], [900, 5, 64, 40, 77, 1300]
@@ -167,6 +167,40 @@ def test_mixed_batch_attention(dtype):
     ref = R.paged_attention(q.float(), kc.float(), vc.float(), meta, 128 ** -0.5)
     poison()
     assert rel(K.paged_attention(q, kc, vc, meta, 128 ** -0.5), ref) < TOL[dtype]
+
+
+PREFILL_CASES = [  # (query lengths, context lengths, Hq, Hkv, D, block size, keys per group)
+    ([1, 1, 1, 40, 7, 300], [900, 5, 64, 40, 77, 1300], 32, 8, 128, 16, 16384),
+    ([128] * 16, [128] * 16, 32, 8, 128, 16, 16384),                 # an offline step: 16 fresh prompts
+    ([512, 512, 1024], [512, 4096, 8192], 32, 8, 128, 16, 4096),      # chunks over long caches, 3 groups
+    ([1] * 64 + [3, 1, 17], [700] * 64 + [3, 2000, 40], 28, 4, 128, 32, 16384),
+    ([33, 65], [33, 1000], 9, 3, 64, 16, 64),                          # a group per chunk
+    ([250, 1], [260, 300], 8, 2, 256, 16, 16384),
+    ([9, 100], [9, 150], 16, 16, 64, 16, 16384),                       # no GQA
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", range(len(PREFILL_CASES)))
+def test_ragged_prefill_attention(dtype, case):
+    """Prompt chunks through the ragged (variable-length flash) path, with the layout the runner builds:
+    fresh prompts, chunks over earlier chunks, one-token chunks after the decodes, groups split by the key
+    limit, GQA ratios 1 … 7, head dims 64 … 256."""
+    import numpy as np
+
+    from mii_async.kernels.metadata import device_groups, prefill_layout
+
+    qlens, clens, hq, hkv, d, bs, limit = PREFILL_CASES[case]
+    kc, vc, tables = _paged(clens, hkv, d, bs, dtype, seed=100 + case)
+    q = torch.randn(sum(qlens), hq, d, device="cuda").to(dtype)
+    meta = _meta(qlens, clens, tables)
+    layout, groups = prefill_layout(tables.cpu().numpy().astype(np.int64), qlens, clens, meta.num_decodes, bs,
+                                    max_group_keys=limit)
+    meta = meta._replace(prefill_groups=device_groups(torch.from_numpy(layout).cuda(), groups))
+    ref = R.paged_attention(q.float(), kc.float(), vc.float(), meta, d ** -0.5)
+    poison()
+    out = K.paged_attention(q, kc, vc, meta, d ** -0.5)
+    assert rel(out, ref) < TOL[dtype], (case, len(groups))
 
 
 def test_kernels_are_captured_by_cuda_graphs():

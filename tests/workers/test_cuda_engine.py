@@ -85,6 +85,7 @@ def test_cuda_kernels_with_real_head_dims_match_transformers(tmp_path):
         engine.add_request(1, prompts[0], mii_async.SamplingParams(max_new_tokens=4))
         while not engine.seqs[1].output_ids:          # the prefill, through the engine's own step
             engine.step()
+        engine.flush()                                 # its sampled id read (async scheduling)
         plan = engine.scheduler.schedule()             # then one decode step, by hand, to see its logits
         assert plan.num_decodes == 1
         logits = engine.runner.execute(plan)[0]

@@ -37,21 +37,22 @@ def test_batch_buckets():
 @pytest.mark.parametrize("kernels", ["reference", "cuda"])
 def test_graph_decode_equals_eager(tmp_path, kernels):
     """Batches that need padding (3, 5, 7 sequences), and contexts past the first cap (2048): the same greedy
-    tokens with graphs as eagerly, replays counted, and no KV block written by a padded row."""
+    tokens with graphs as eagerly, with and without async scheduling (placeholder ids filled on the device
+    before a replay), replays counted, and no KV block written by a padded row."""
     path = _model(tmp_path, 256, 4, 2, 4096)
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (5, 40, 300, 2100, 17, 64, 9)]
     outs = {}
-    for graphs in (True, False):
+    for graphs, async_ in ((True, True), (True, False), (False, False)):
         engine = make_engine(path, device="cuda", dtype="float32", num_blocks=2048, kernels=kernels,
-                             cuda_graphs=graphs, max_num_seqs=8)
+                             cuda_graphs=graphs, max_num_seqs=8, async_scheduling=async_)
         assert (engine.runner.graphs is not None) == graphs
-        outs[graphs] = run_engine(engine, prompts, max_new_tokens=20, min_new_tokens=20)
+        outs[graphs, async_] = run_engine(engine, prompts, max_new_tokens=20, min_new_tokens=20)
         if graphs:
             g = engine.runner.graphs
             assert g.replays > 0 and [c.cap for c in g.caps] == [2048, 4096]
             assert engine.stats()["used_blocks"] == 0
-    assert outs[True] == outs[False]
+    assert outs[True, True] == outs[True, False] == outs[False, False]
 
 
 def test_graph_logits_match_eager_in_bf16(tmp_path):
@@ -62,8 +63,9 @@ def test_graph_logits_match_eager_in_bf16(tmp_path):
     for rid in range(3):
         engine.add_request(rid, [rng.randrange(3, 320) for _ in range(50 + 70 * rid)],
                            mii_async.SamplingParams(max_new_tokens=4, ignore_eos=True))
-    while any(not s.output_ids for s in engine.seqs.values()):
+    while any(len(s.output_ids) == s.num_pending for s in engine.seqs.values()):
         engine.step()
+    engine.flush()                                    # no placeholder ids left: the plan runs on its own
     plan = engine.scheduler.schedule()
     assert plan.num_decodes == 3
     graphed = engine.runner.execute(plan).clone()

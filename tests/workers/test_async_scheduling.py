@@ -1,0 +1,127 @@
+"""Async scheduling (step N+1 planned and launched before step N's ids are read) gives the outputs of the
+synchronous engine: greedy, seeded sampling, penalties, logprobs, stops, preemption, prefix caching, aborts
+in flight; no KV block leaks. On the CPU the device work is synchronous, but the bookkeeping is the same."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mii_async.params import SamplingParams
+
+from .helpers import make_engine, run_engine
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(11)
+    return [[rng.randrange(3, 320) for _ in range(rng.randrange(3, 90))] for _ in range(12)]
+
+
+def _both(path, prompts, engine_opts=None, **params):
+    outs = []
+    for mode in (False, True):
+        engine = make_engine(path, async_scheduling=mode, **(engine_opts or {"num_blocks": 256}))
+        assert engine.async_scheduling is mode
+        outs.append(run_engine(engine, prompts, **params))
+        assert not engine.has_work() and engine.flush() == []
+    return outs
+
+
+@pytest.mark.parametrize("opts", [{"num_blocks": 256}, {"num_blocks": 256, "max_batch_tokens": 16},
+                                  {"num_blocks": 20, "block_size": 8}])
+def test_greedy_batching_chunking_preemption(tiny_model, prompts, opts):
+    sync, async_ = _both(tiny_model("llama"), prompts, opts, max_new_tokens=20, min_new_tokens=20)
+    assert async_ == sync
+
+
+def test_preemption_happens_under_async(tiny_model, prompts):
+    engine = make_engine(tiny_model("llama"), async_scheduling=True, num_blocks=20, block_size=8)
+    run_engine(engine, prompts, max_new_tokens=20, min_new_tokens=20)
+    assert engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=0.8, top_k=20, top_p=0.9, seed=5, max_new_tokens=16),
+    dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2, max_new_tokens=16),
+    dict(temperature=1.0, seed=9, repetition_penalty=1.2, max_new_tokens=12),
+    dict(logprobs=3, max_new_tokens=10),
+    dict(min_new_tokens=6, max_new_tokens=14),
+])
+def test_sampling_modes(tiny_model, prompts, params):
+    """Seeded draws come from per-request generators, so they match whatever else is in the batch."""
+    sync, async_ = _both(tiny_model("qwen2"), prompts[:6], **params)
+    assert async_ == sync
+
+
+def test_stops_end_requests_as_in_sync(tiny_model, prompts):
+    """A stop id sampled while the next step is already launched ends the request with the same tokens."""
+    path = tiny_model("llama")
+    free = run_engine(make_engine(path, num_blocks=256), prompts, max_new_tokens=20, min_new_tokens=20)
+    stop = [o[5] for o in free]                      # each request's 6th token: a stop for a second run
+    for mode in (False, True):
+        engine = make_engine(path, num_blocks=256, async_scheduling=mode)
+        finishes = {}
+        for i, (p, s) in enumerate(zip(prompts, stop)):
+            engine.add_request(i, p, SamplingParams(max_new_tokens=20, stop_token_ids=[s]))
+        outs = {i: [] for i in range(len(prompts))}
+        while engine.has_work():
+            for o in engine.step():
+                outs[o.req_id].append(o.token_id)
+                if o.finish_reason:
+                    finishes[o.req_id] = o.finish_reason
+        assert engine.block_manager.num_free == engine.num_blocks
+        for i, o in outs.items():
+            assert o == free[i][:free[i].index(stop[i]) + 1] and finishes[i] == "stop"
+
+
+def test_context_filled_ends_by_length(tiny_model):
+    """A request that fills the context ends by length, and no step is planned past it."""
+    engine = make_engine(tiny_model("llama"), num_blocks=64, max_model_len=40, async_scheduling=True)
+    engine.add_request(1, list(range(3, 33)), SamplingParams(max_new_tokens=10, ignore_eos=True))
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    assert len(outs) == 10 and outs[-1].finish_reason == "length"
+    assert engine.num_steps == 10                  # the last token's step is not followed by a wasted one
+    assert engine.block_manager.num_free == engine.num_blocks
+
+
+def test_abort_in_flight(tiny_model, prompts):
+    """Aborting a request whose token is in flight frees its blocks; the step's row for it is dropped."""
+    path = tiny_model("llama")
+    ref = run_engine(make_engine(path, num_blocks=256), prompts[:4], max_new_tokens=12, min_new_tokens=12)
+    engine = make_engine(path, num_blocks=256, async_scheduling=True)
+    sp = SamplingParams(max_new_tokens=12, min_new_tokens=12)
+    for i, p in enumerate(prompts[:4]):
+        engine.add_request(i, p, sp)
+    outs = {i: [] for i in range(4)}
+    for _ in range(4):
+        for o in engine.step():
+            outs[o.req_id].append(o.token_id)
+    assert engine._inflight is not None and any(s.req_id == 2 for s in engine._inflight.seqs)
+    assert engine.abort(2)
+    engine.block_manager.check_invariants(engine.seqs.values())
+    while engine.has_work():
+        for o in engine.step():
+            assert o.req_id != 2
+            outs[o.req_id].append(o.token_id)
+    assert engine.block_manager.num_free == engine.num_blocks
+    assert [outs[i] for i in (0, 1, 3)] == [ref[i] for i in (0, 1, 3)]
+    assert outs[2] == ref[2][:len(outs[2])]
+
+
+def test_prefix_cache_registers_blocks_after_placeholders(tiny_model, prompts):
+    """Blocks that filled while their last token was a placeholder are hashed once it is read: a second
+    request whose prompt is the first one's prompt + output hits them."""
+    path = tiny_model("llama")
+    for mode in (False, True):
+        engine = make_engine(path, num_blocks=128, block_size=4, async_scheduling=mode)
+        p = prompts[0][:30]
+        (out,) = run_engine(engine, [p], max_new_tokens=18, min_new_tokens=18)
+        hits = engine.stats()["prefix_hit_tokens"]
+        run_engine(engine, [p + out], max_new_tokens=2, min_new_tokens=2)
+        got = engine.stats()["prefix_hit_tokens"] - hits
+        if mode is False:
+            expected = got
+        assert got == expected and got >= (len(p) + len(out) - 4) // 4 * 4, (mode, got)
