@@ -21,6 +21,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 import uuid
 from typing import Any, AsyncIterator, Coroutine, Sequence, TypeVar
 
@@ -123,6 +124,12 @@ class _Connection:
         self.sock.close()
 
 
+def _release(ctx: zmq.asyncio.Context, socks: list[DealerSocket]) -> None:
+    for sock in socks:
+        sock.close()
+    ctx.term()
+
+
 class AsyncClient:
     def __init__(self, address: str, *, curve_dir: str | None = None, ping_s: float = 2.0,
                  timeout_s: float = 30.0, _process: Any = None, _gateway: Any = None) -> None:
@@ -133,6 +140,12 @@ class AsyncClient:
         self._gateway = _gateway                  # its GatewayProcess, with serve(enable_http=True)
         self.http_url: str | None = _gateway.url if _gateway is not None else None
         self._ctx = zmq.asyncio.Context()
+        # A client dropped without close(): its sockets are closed, then the context, when it is collected.
+        # Left to itself, the context's own finalizer waits in term() for sockets still open; and the
+        # context's weak set of its sockets may be cleared by then, so the finalizer holds them itself.
+        self._socks: list[DealerSocket] = []
+        # Not at exit: daemon threads may still poll the sockets then, and pyzmq skips term() at exit anyway.
+        weakref.finalize(self, _release, self._ctx, self._socks).atexit = False
         self._conns: dict[asyncio.AbstractEventLoop, _Connection] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -291,8 +304,11 @@ class AsyncClient:
             conn = self._conns.get(loop)
             if conn is None:
                 for old in [lp for lp in self._conns if lp.is_closed()]:   # e.g. one asyncio.run() per call
-                    self._conns.pop(old).sock.close()
+                    sock = self._conns.pop(old).sock
+                    sock.close()
+                    self._socks.remove(sock)
                 conn = self._conns[loop] = _Connection(self, loop)
+                self._socks.append(conn.sock)
         return conn
 
     def close(self) -> None:

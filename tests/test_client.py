@@ -186,3 +186,28 @@ def test_silent_client_loses_its_requests(small):
         await until(lambda: _used(small), 5, "the orphaned request to hold KV blocks")
         await kv_idle(small, timeout_s=15)
     asyncio.run(main())
+
+
+def test_unclosed_client_is_collected_without_blocking():
+    """A client dropped without close(), with a socket open, is garbage-collected at once: its finalizer
+    closes the sockets before the context (run in a child, as a blocked term() would hang this process)."""
+    import subprocess
+    import sys
+
+    code = """if True:
+        import asyncio, gc, time
+        from mii_async.async_client import AsyncClient
+        async def main():
+            c = AsyncClient("tcp://127.0.0.1:9", timeout_s=0.3)
+            try:
+                await c.generate("hi", max_new_tokens=1)
+            except Exception as exc:
+                print(type(exc).__name__)
+        asyncio.run(main())
+        t = time.perf_counter()
+        gc.collect()
+        print("collected in", round(time.perf_counter() - t, 2))
+    """
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "UnavailableError" in r.stdout and "collected in" in r.stdout
