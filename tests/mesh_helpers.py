@@ -51,18 +51,12 @@ def deployment_pids(health: dict) -> list[int]:
 
 
 def with_word_tokenizer(model_dir: Any, out_dir: Any, vocab_size: int = 320) -> Any:
-    """A copy of a tiny random model plus a word-level tokenizer over its vocabulary ("<unk>", "<s>", "</s>",
-    then "w3", "w4", …), so that a deployment (whose router tokenizes and detokenizes) can serve it."""
+    """A copy of a tiny random model plus a word-level tokenizer over its vocabulary, so that a deployment
+    (whose router tokenizes and detokenizes) can serve it."""
     import shutil
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from mii_async.bench.word_tokenizer import save_word_tokenizer
 
     shutil.copytree(model_dir, out_dir)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")          # joins words with spaces
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                            pad_token="<unk>").save_pretrained(str(out_dir))
+    save_word_tokenizer(out_dir, vocab_size)
     return out_dir
