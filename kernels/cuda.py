@@ -80,13 +80,22 @@ def _threads(n: int) -> int:
     return min(1024, max(32, (n + 31) // 32 * 32))
 
 
+def _vec(x: torch.Tensor, n: int, *strides: int) -> bool:
+    """Whether rows of `n` elements of x's dtype at these strides (and x's own storage) move in 16-byte
+    vectors: every row start 16-byte aligned and n a whole number of vectors."""
+    v = 16 // x.element_size()
+    return n % v == 0 and all(st % v == 0 for st in strides) and x.data_ptr() % 16 == 0
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     t, stride = _rows(x)
     h = x.shape[1]
     out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    weight = weight.contiguous()
+    vec = _vec(x, h, stride) and weight.data_ptr() % 16 == 0
     if t:
-        _launch("norms", "rms_norm", x.dtype, (t,), (_threads(h // 4),),
-                (_ptr(x), _ptr(weight.contiguous()), _ptr(out), np.int32(h), np.int64(stride), np.float32(eps)),
+        _launch("norms", "rms_norm", x.dtype, (t,), (_threads(h // (16 // x.element_size() if vec else 4)),),
+                (_ptr(x), _ptr(weight), _ptr(out), np.int32(h), np.int64(stride), np.float32(eps), np.int32(vec)),
                 shared_mem=h * 4)
     return out
 
@@ -98,10 +107,12 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     h = x.shape[1]
     out = torch.empty((t, h), dtype=x.dtype, device=x.device)
     res = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    weight = weight.contiguous()
+    vec = _vec(x, h, xs, rs) and residual.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
     if t:
-        _launch("norms", "fused_add_rms_norm", x.dtype, (t,), (_threads(h // 4),),
-                (_ptr(x), _ptr(residual), _ptr(weight.contiguous()), _ptr(out), _ptr(res), np.int32(h),
-                 np.int64(xs), np.int64(rs), np.float32(eps)), shared_mem=h * 4)
+        _launch("norms", "fused_add_rms_norm", x.dtype, (t,), (_threads(h // (16 // x.element_size() if vec else 4)),),
+                (_ptr(x), _ptr(residual), _ptr(weight), _ptr(out), _ptr(res), np.int32(h),
+                 np.int64(xs), np.int64(rs), np.float32(eps), np.int32(vec)), shared_mem=h * 4)
     return out, res
 
 
@@ -109,10 +120,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     t, stride = _rows(x)
     f = x.shape[1] // 2
     out = torch.empty((t, f), dtype=x.dtype, device=x.device)
+    vec = _vec(x, f, stride)
     if t:
         threads = 256
-        _launch("activation", "silu_and_mul", x.dtype, (min(-(-f // threads), 64), t), (threads,),
-                (_ptr(x), _ptr(out), np.int32(f), np.int64(stride)))
+        per_thread = 16 // x.element_size() if vec else 1
+        _launch("activation", "silu_and_mul", x.dtype, (min(-(-f // (threads * per_thread)), 64), t), (threads,),
+                (_ptr(x), _ptr(out), np.int32(f), np.int64(stride), np.int32(vec)))
     return out
 
 
@@ -169,7 +182,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_out = part_max = part_sum = out                   # unused with one split
     bt = block_tables.contiguous()
     cl = context_lens.contiguous()
-    _launch("paged_attention_decode", "paged_attention_decode", q.dtype, (s, hkv, splits), (DECODE_THREADS,),
+    gbound = next(b for b in (4, 8, MAX_GQA) if g <= b)       # the kernel sized for this GQA ratio
+    _launch("paged_attention_decode", f"paged_attention_decode_g{gbound}", q.dtype, (s, hkv, splits), (DECODE_THREADS,),
             (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(bt), _ptr(cl), _ptr(out), _ptr(part_out), _ptr(part_max),
              _ptr(part_sum), np.int32(hq), np.int32(hkv), np.int32(d), np.int32(bs), np.int32(bt.shape[1]),
              np.int32(partition), np.float32(scale)), shared_mem=smem)

@@ -24,7 +24,8 @@ from .runner import pack_tables
 from .step_plan import StepPlan
 
 log = logging.getLogger("mii_async.workers.cuda_graphs")
-CONTEXT_CAPS = (2048, 8192)      # decode steps with longer contexts run eagerly
+CONTEXT_CAPS = (512, 2048, 8192)  # decode steps with longer contexts run eagerly; a short cap keeps the
+                                  # split count (fixed at capture) small for short contexts
 _FIELDS = 6                      # ids, positions, slots, context lengths, placeholder rows and sources (async
                                  # scheduling); then the block tables
 

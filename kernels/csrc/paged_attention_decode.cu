@@ -11,15 +11,20 @@
 //        chunks j, j+4, … of the key row (coalesced 64 B per group), dots them with the G queries held in
 //        shared memory, and the group sums over 2 shuffles.
 //   softmax: warp w takes query heads w, w+4, … (warp reductions only).
-//   PV:  warps take tokens in turn; each lane owns D/32 consecutive dims of the value row (coalesced), for
-//        up to 4 query heads at a time; the warps' partial sums meet in shared memory.
+//   PV:  a V row is read as 16-byte chunks by a few lanes, so that a warp loads several rows at once (and
+//        PV_UNROLL times over) before the arithmetic, for up to 4 query heads at a time; partial sums meet by
+//        shuffles within the warp, then across warps in shared memory.
 #include "common.cuh"
 
 #define NUM_THREADS 128
 #define NUM_WARPS (NUM_THREADS / 32)
-#define MAX_G 16
+// Resident blocks per SM that the register budget must allow (occupancy), by the bound on G.
+#define MIN_BLOCKS_4 8
+#define MIN_BLOCKS_8 6
+#define MIN_BLOCKS_16 4
 #define LANES_PER_TOKEN 4
 #define NEG_INF (-3.0e38f)
+#define PV_UNROLL 2
 
 // 16 bytes of a cache row as floats: 8 elements of a 16-bit type, 4 of float.
 template <typename D> struct Chunk { static constexpr int N = 8; };
@@ -38,7 +43,7 @@ __device__ __forceinline__ void load_chunk<F32>(const float* p, float* out) {
   out[0] = raw.x; out[1] = raw.y; out[2] = raw.z; out[3] = raw.w;
 }
 
-template <typename D>
+template <typename D, int MAX_G>
 __device__ void decode_partition(const typename D::T* __restrict__ q, const typename D::T* __restrict__ k_cache,
                                  const typename D::T* __restrict__ v_cache, const long long* __restrict__ block_tables,
                                  const long long* __restrict__ context_lens, typename D::T* __restrict__ out,
@@ -153,36 +158,63 @@ __device__ void decode_partition(const typename D::T* __restrict__ q, const type
   }
   __syncthreads();
 
-  // PV: lane owns dims [lane * per_lane, (lane + 1) * per_lane)
-  const int per_lane = head_dim / 32;            // 2 … 8
-  const int d0 = lane * per_lane;
-  for (int g0 = 0; g0 < G; g0 += 4) {
-    float acc[4][8];
+  // PV: a row of V is `lanes` lanes' 16-byte chunks (a power of two ≤ 32 dividing the row's chunks; a lane
+  // takes `chunks / lanes` of them, one pass each), so a warp reads 32 / lanes rows at once, PV_UNROLL times
+  // over before it multiplies: up to 16 rows in flight per warp. The rows' partial sums meet by shuffles,
+  // then the warps' in shared memory.
+  {
+    int lanes = 32;
+    while (lanes > 1 && chunks % lanes != 0) lanes >>= 1;
+    if (lanes > chunks) lanes = chunks;
+    const int rows_per_warp = 32 / lanes, slot = lane / lanes;
+    const int row_step = NUM_WARPS * rows_per_warp;
+    for (int cp = 0; cp < chunks / lanes; ++cp) {
+      const int dim0 = ((lane % lanes) + cp * lanes) * CN;
+      for (int g0 = 0; g0 < G; g0 += 4) {
+        float acc[4][CN];
 #pragma unroll
-    for (int a = 0; a < 4; ++a)
+        for (int a = 0; a < 4; ++a)
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc[a][e] = 0.f;
-#pragma unroll 2
-    for (int i = warp; i < n; i += NUM_WARPS) {
-      const typename D::T* vp = v_cache + rows[i] + d0;
-      float vf[8];
+          for (int e = 0; e < CN; ++e) acc[a][e] = 0.f;
+        for (int base = warp * rows_per_warp + slot; base < n; base += PV_UNROLL * row_step) {
+          float vf[PV_UNROLL][CN];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) vf[e] = e < per_lane ? Cvt<D>::load(vp[e]) : 0.f;
+          for (int u = 0; u < PV_UNROLL; ++u) {
+            const int i = base + u * row_step;
+            if (i < n) load_chunk<D>(v_cache + rows[i] + dim0, vf[u]);
+            else
 #pragma unroll
-      for (int a = 0; a < 4; ++a) {
-        if (g0 + a < G) {
-          float p = scores[(g0 + a) * partition + i];
+              for (int e = 0; e < CN; ++e) vf[u][e] = 0.f;
+          }
 #pragma unroll
-          for (int e = 0; e < 8; ++e) acc[a][e] += p * vf[e];
+          for (int u = 0; u < PV_UNROLL; ++u) {
+            const int i = base + u * row_step;
+            if (i < n) {
+#pragma unroll
+              for (int a = 0; a < 4; ++a) {
+                if (g0 + a < G) {
+                  const float p = scores[(g0 + a) * partition + i];
+#pragma unroll
+                  for (int e = 0; e < CN; ++e) acc[a][e] += p * vf[u][e];
+                }
+              }
+            }
+          }
+        }
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+          for (int e = 0; e < CN; ++e)
+            for (int off = lanes; off < 32; off <<= 1) acc[a][e] += __shfl_xor_sync(0xffffffffu, acc[a][e], off);
+        if (slot == 0) {
+#pragma unroll
+          for (int a = 0; a < 4; ++a)
+            if (g0 + a < G)
+#pragma unroll
+              for (int e = 0; e < CN; ++e) acc_s[(warp * G + g0 + a) * head_dim + dim0 + e] = acc[a][e];
         }
       }
     }
-#pragma unroll
-    for (int a = 0; a < 4; ++a)
-      if (g0 + a < G)
-#pragma unroll
-        for (int e = 0; e < 8; ++e)
-          if (e < per_lane) acc_s[(warp * G + g0 + a) * head_dim + d0 + e] = acc[a][e];
   }
   __syncthreads();
   for (int j = threadIdx.x; j < G * head_dim; j += NUM_THREADS) {
@@ -224,15 +256,22 @@ __device__ void reduce_partitions(const float* __restrict__ part_out, const floa
   }
 }
 
-#define MII_DECODE(SUFFIX, D)                                                                                  \
-  extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode_##SUFFIX(                  \
+// One decode kernel per bound on G = Hq / Hkv (4, 8, 16): the per-head score registers are sized by it, so
+// that the common G ≤ 4 keeps enough blocks resident per SM.
+#define MII_DECODE_G(SUFFIX, D, G)                                                                             \
+  extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_##G) paged_attention_decode_g##G##_##SUFFIX( \
       const D::T* q, const D::T* k_cache, const D::T* v_cache, const long long* block_tables,                \
       const long long* context_lens, D::T* out, float* part_out, float* part_max, float* part_sum,           \
       int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, int partition,        \
       float scale) {                                                                                           \
-    decode_partition<D>(q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_max, part_sum,  \
-                        num_q_heads, num_kv_heads, head_dim, block_size, max_blocks, partition, scale);       \
-  }                                                                                                            \
+    decode_partition<D, G>(q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_max,         \
+                           part_sum, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks, partition,  \
+                           scale);                                                                             \
+  }
+#define MII_DECODE(SUFFIX, D)                                                                                  \
+  MII_DECODE_G(SUFFIX, D, 4)                                                                                   \
+  MII_DECODE_G(SUFFIX, D, 8)                                                                                   \
+  MII_DECODE_G(SUFFIX, D, 16)                                                                                  \
   extern "C" __global__ void paged_attention_reduce_##SUFFIX(const float* part_out, const float* part_max,    \
                                                              const float* part_sum, D::T* out,                \
                                                              int num_q_heads, int head_dim, int num_splits) { \

@@ -212,18 +212,41 @@ CATEGORIES = (("gemm", ("gemm", "cutlass", "xmma", "sm90", "cublas", "nvjet")), 
               ("sampling", ("argmax", "softmax", "sort", "topk", "exponential", "cumsum")))
 
 
-def _running(engine, batch: int, steps: int, base: int) -> None:
-    """`batch` requests of 128-token prompts, stepped until each has sampled twice (decoding from then on)."""
+def _running(engine, batch: int, base: int) -> None:
+    """`batch` requests of 128-token prompts, stepped until every one has sampled twice: all `batch` decode
+    from then on (their outputs are long enough that none ends while profiled; `_clear` ends them)."""
     for i, p in enumerate(prompts(batch, 128, 128, 7)):
-        engine.add_request(base + i, p, mii_async.SamplingParams(max_new_tokens=steps + 4, ignore_eos=True))
+        engine.add_request(base + i, p, mii_async.SamplingParams(max_new_tokens=1024, ignore_eos=True))
     while any(len(s.output_ids) - s.num_pending < 2 for s in engine.seqs.values()):
         engine.step()
     engine.flush()
 
 
-def _finish(engine) -> None:
-    while engine.has_work():
-        engine.step()
+def _clear(engine) -> None:
+    engine.flush()
+    for s in list(engine.seqs.values()):
+        engine.abort(s.req_id)
+
+
+def _categories(prof, steps: int) -> dict[str, float]:
+    cats: dict[str, float] = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if not us or ev.key.startswith(("cudaLaunch", "ProfilerStep", "cudaGraphLaunch")):
+            continue
+        name = ev.key.lower()
+        cat = next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other")
+        cats[cat] = cats.get(cat, 0.0) + us / 1e3 / steps
+    return cats
+
+
+def _top_kernels(prof, steps: int, n: int = 8) -> list[tuple[str, float]]:
+    rows = []
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if us and not ev.key.startswith(("cudaLaunch", "ProfilerStep", "cudaGraphLaunch")):
+            rows.append((ev.key[:80], round(us / 1e3 / steps, 3)))
+    return sorted(rows, key=lambda r: -r[1])[:n]
 
 
 def profile(engine, batch: int, steps: int = 8, prompt_len: int = 0) -> dict:
@@ -234,7 +257,7 @@ def profile(engine, batch: int, steps: int = 8, prompt_len: int = 0) -> dict:
     from torch.profiler import profile as torch_profile
 
     graphs, engine.runner.graphs = engine.runner.graphs, None
-    _running(engine, batch, steps, 70_000)
+    _running(engine, batch, 70_000)
     if prompt_len:
         for i, p in enumerate(prompts(16, prompt_len, prompt_len, 8)):
             engine.add_request(71_000 + i, p, mii_async.SamplingParams(max_new_tokens=2, ignore_eos=True))
@@ -248,29 +271,27 @@ def profile(engine, batch: int, steps: int = 8, prompt_len: int = 0) -> dict:
             tokens += sum(s.num_computed_tokens for s in engine.seqs.values()) - before
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / steps
-    _finish(engine)
+    _clear(engine)
     engine.runner.graphs = graphs
-    cats: dict[str, float] = {}
-    for ev in prof.key_averages():
-        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if not us or ev.key.startswith(("cudaLaunch", "ProfilerStep")):
-            continue
-        name = ev.key.lower()
-        cat = next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other")
-        cats[cat] = cats.get(cat, 0.0) + us / 1e3 / steps
+    cats = _categories(prof, steps)
     gpu = sum(cats.values())
-    return {"batch": batch, "prompt_len": prompt_len, "tokens_per_step_approx": tokens / steps,
+    return {"batch": batch, "prompt_len": prompt_len, "tokens_per_step": tokens / steps,
             "wall_ms_per_step": 1e3 * wall, "gpu_ms_per_step": gpu,
-            "host_or_idle_ms_per_step": 1e3 * wall - gpu, **{f"{k}_ms": v for k, v in sorted(cats.items())}}
+            "host_or_idle_ms_per_step": 1e3 * wall - gpu, **{f"{k}_ms": v for k, v in sorted(cats.items())},
+            "top_kernels": _top_kernels(prof, steps)}
 
 
 def graph_steps(engine, batch: int, steps: int = 16) -> dict:
-    """Decode steps replayed from graphs: wall per step, the graph's own GPU time (replays alone, CUDA events),
-    and the host parts of a step timed one by one (with a sync before sampling, so that it waits on nothing)."""
+    """Decode steps replayed from graphs: wall per step, the graph's own GPU time (replays alone, CUDA events)
+    and its kernels by category, and the host parts of a step timed one by one (with a sync before sampling,
+    so that it waits on nothing)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
     g = engine.runner.graphs
     if g is None:
         return {}
-    _running(engine, batch, 2 * steps + 4, 80_000)
+    _running(engine, batch, 80_000)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -303,12 +324,17 @@ def graph_steps(engine, batch: int, steps: int = 16) -> dict:
         cap.graphs[b].replay()
     end.record()
     torch.cuda.synchronize()
-    for s in list(engine.seqs.values()):
-        engine.abort(s.req_id)
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(4):
+            cap.graphs[b].replay()
+        torch.cuda.synchronize()
+    _clear(engine)
     replay = start.elapsed_time(end) / steps
+    cats = _categories(prof, 4)
     return {"batch": batch, "wall_ms_per_step": 1e3 * wall, "graph_gpu_ms": replay,
             "host_exposed_ms": 1e3 * wall - replay, "async_scheduling": engine.async_scheduling,
-            **{f"{k}_ms": v for k, v in parts.items()}}
+            **{f"{k}_ms": v for k, v in parts.items()},
+            "graph_kernels": {f"{k}_ms": v for k, v in sorted(cats.items())}, "graph_top_kernels": _top_kernels(prof, 4)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -334,8 +360,8 @@ def main(argv: list[str] | None = None) -> int:
              "offline": lambda: offline(hf, engine), "mixed": lambda: mixed(engine),
              "profile": lambda: {"bs1": profile(engine, 1), "bs256": profile(engine, 256),
                                  "mixed_128_decodes_1024_prompts": profile(engine, 128, prompt_len=1024),
-                                 "graphs_bs1": graph_steps(engine, 1), "graphs_bs64": graph_steps(engine, 64),
-                                 "graphs_bs256": graph_steps(engine, 256)}}
+                                 **{f"graphs_bs{b}": graph_steps(engine, b) for b in (1, 64, 256, 512)
+                                    if b <= engine.config.scheduler.max_num_seqs}}}
     for name in parts:
         t0 = time.perf_counter()
         results[name] = steps[name]()

@@ -32,9 +32,10 @@ def poison() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t,h", [(1, 64), (7, 576), (300, 4096), (33, 5120), (2, 8192)])
+@pytest.mark.parametrize("t,h", [(1, 64), (7, 576), (300, 4096), (33, 5120), (2, 8192), (3, 100), (4, 4100)])
 def test_norms(dtype, t, h):
-    """rms_norm and fused_add_rms_norm, rows of many widths, strided input rows included."""
+    """rms_norm and fused_add_rms_norm, rows of many widths (16-byte vectors, and widths that take the scalar
+    loop), strided input rows included."""
     x = torch.randn(t, 2 * h, device="cuda").to(dtype)[:, :h]      # strided rows
     res = torch.randn(t, h, device="cuda").to(dtype)
     w = (1 + 0.1 * torch.randn(h, device="cuda")).to(dtype)
@@ -50,9 +51,10 @@ def test_norms(dtype, t, h):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t,f", [(1, 160), (5, 1536), (257, 14336)])
+@pytest.mark.parametrize("t,f", [(1, 160), (5, 1536), (257, 14336), (2048, 14336), (3, 100), (6, 1002)])
 def test_silu_and_mul(dtype, t, f):
-    """silu(gate) * up over [gate | up] rows."""
+    """silu(gate) * up over [gate | up] rows, in 16-byte vectors and (widths not a whole number of them)
+    one element at a time."""
     x = torch.randn(t, 2 * f, device="cuda").to(dtype) * 3
     poison()
     assert rel(K.silu_and_mul(x), R.silu_and_mul(x.float())) < TOL[dtype]
