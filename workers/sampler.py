@@ -20,6 +20,16 @@ from .sequence import Sequence
 _plain = attrgetter("plain")
 
 
+def to_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host list as a tensor on `device`, without waiting on it: `torch.tensor(..., device=cuda)` copies
+    from pageable memory and synchronizes the stream (with async scheduling, on the whole step in flight); a
+    pinned copy is queued instead (torch keeps the pinned block until the copy has run)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        t = t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
 class TokenLogprobs(NamedTuple):
     logprob: float                       # of the chosen token
     top: list[tuple[int, float]]         # the n most likely (id, logprob), best first
@@ -64,8 +74,8 @@ class Sampler:
     @torch.inference_mode()
     def launch(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
         """Enqueues the choice of one token per row; nothing is read back (`resolve` does). The filters decide
-        on host params, so the plain path never waits on the device; the others may, where they build index or
-        parameter tensors from host lists."""
+        on host params, and index / parameter tensors go up by queued pinned copies (`to_device`), so no path
+        waits on the device (no boolean-mask indexing either: it would read a count back)."""
         if all(map(_plain, seqs)):
             # Greedy, no penalties, no masks, no logprobs (a benchmark's or a greedy batch's usual step):
             # nothing writes the logits, so the argmax reads them without the fp32 copy.
@@ -77,17 +87,18 @@ class Sampler:
         self._penalize(logits, seqs)
         want_lp = [s.params.logprobs for s in seqs]
         lp_rows = [i for i, n in enumerate(want_lp) if n is not None]
-        logprobs = torch.log_softmax(logits[lp_rows], -1) if lp_rows else None   # [L, V]
+        logprobs = torch.log_softmax(logits[to_device(lp_rows, logits.device)], -1) if lp_rows else None
 
         chosen = torch.argmax(logits, -1)                       # [S]; greedy rows keep this
         rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if rows:
-            idx = torch.tensor(rows, device=logits.device)
+            idx = to_device(rows, logits.device)
             probs = self._filtered_probs(logits[idx], [seqs[i] for i in rows])   # [R, V]
             noise = torch.empty_like(probs)
             shared = [j for j, i in enumerate(rows) if seqs[i].params.seed is None]
             if shared:
-                noise[shared] = noise[shared].exponential_(generator=self._shared)
+                sh = to_device(shared, logits.device)
+                noise[sh] = noise[sh].exponential_(generator=self._shared)
             for j, i in enumerate(rows):
                 if seqs[i].params.seed is not None:
                     noise[j].exponential_(generator=self._generator(seqs[i]))
@@ -95,7 +106,7 @@ class Sampler:
         if logprobs is None:
             return PendingSample(chosen, len(seqs))
         # Every logprob row at once: the chosen token's value and the top max(n), cut to each row's n.
-        idx = torch.tensor(lp_rows, device=logits.device)
+        idx = to_device(lp_rows, logits.device)
         own = logprobs.gather(1, chosen[idx][:, None])[:, 0]     # [L]
         k = max(want_lp[i] for i in lp_rows)
         top_v, top_i = torch.topk(logprobs, k, -1) if k else (logprobs[:, :0], logprobs[:, :0].long())
@@ -121,25 +132,25 @@ class Sampler:
                 continue
             p = s.params
             if p.repetition_penalty != 1.0:
-                ids = torch.tensor(sorted(set(s.prompt_ids) | set(s.output_ids)), device=logits.device)
+                ids = to_device(sorted(set(s.prompt_ids) | set(s.output_ids)), logits.device)
                 vals = logits[i, ids]
                 logits[i, ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
             if (p.presence_penalty or p.frequency_penalty) and s.output_ids:
-                counts = torch.bincount(torch.tensor(s.output_ids, device=logits.device),
-                                        minlength=logits.shape[1])[: logits.shape[1]].to(logits.dtype)
+                out = to_device(s.output_ids, logits.device)       # index_add_, not bincount: no read-back
+                counts = logits.new_zeros(logits.shape[1]).index_add_(0, out, logits.new_ones(out.shape[0]))
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
             if len(s.output_ids) < p.min_new_tokens:
                 ends = tuple(t for t in (*self.end_ids, *p.stop_token_ids) if t < logits.shape[1])
                 if ends:
                     masked.setdefault(ends, []).append(i)
         for ends, rows in masked.items():                 # one write per distinct set, not one per row
-            r = torch.tensor(rows, device=logits.device)
-            logits[r[:, None], torch.tensor(ends, device=logits.device)[None, :]] = float("-inf")
+            r = to_device(rows, logits.device)
+            logits[r[:, None], to_device(ends, logits.device)[None, :]] = float("-inf")
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p on [R, V] logits → probabilities [R, V]."""
-        temps = torch.tensor([s.params.temperature for s in seqs], device=logits.device)
+        temps = to_device([s.params.temperature for s in seqs], logits.device)
         logits = logits / temps[:, None]
         top_k = [s.params.top_k for s in seqs]
         if any(top_k):
@@ -148,18 +159,18 @@ class Sampler:
             v = logits.shape[1]
             ks = [min(k, v) for k in top_k]
             kth = torch.topk(logits, max(ks), -1).values.gather(
-                1, torch.tensor([max(k, 1) - 1 for k in ks], device=logits.device)[:, None])
+                1, to_device([max(k, 1) - 1 for k in ks], logits.device)[:, None])
             if not all(ks):
-                kth[torch.tensor([k == 0 for k in ks], device=logits.device)] = float("-inf")
+                kth = kth.masked_fill(to_device([k == 0 for k in ks], logits.device)[:, None], float("-inf"))
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, -1)
-        top_p = torch.tensor([s.params.top_p for s in seqs], device=logits.device)
+        top_p = to_device([s.params.top_p for s in seqs], logits.device)
         if any(s.params.top_p < 1.0 for s in seqs):            # host checks: no device sync
             sp, si = torch.sort(probs, -1, descending=True)
             drop = (sp.cumsum(-1) - sp) > top_p[:, None]       # keep the smallest set with mass ≥ top_p
             sp = sp.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(1, si, sp)
-        min_p = torch.tensor([s.params.min_p for s in seqs], device=logits.device)
+        min_p = to_device([s.params.min_p for s in seqs], logits.device)
         if any(s.params.min_p > 0 for s in seqs):
             thresh = min_p[:, None] * probs.max(-1, keepdim=True).values
             probs = probs.masked_fill(probs < thresh, 0.0)

@@ -70,3 +70,34 @@ def test_seeded_draws_follow_the_distribution():
     assert torch.allclose(freq, torch.tensor([0.1, 0.2, 0.3, 0.4]), atol=0.03)
     s2 = Sampler(4, frozenset(), torch.device("cpu"))
     assert [s2(logits, [_seq(i, temperature=1.0, seed=i)]).token_ids[0] for i in range(50)] == draws[:50]
+
+
+@pytest.mark.gpu
+def test_launch_never_waits_on_the_device():
+    """On CUDA, `launch` for every kind of row (filters, seeds, penalties, min_new_tokens, logprobs) makes no
+    synchronizing call (torch's sync debug mode raises on one), so async scheduling overlaps sampled steps; the
+    same rows on the CPU give the same tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    kinds = [dict(), dict(temperature=0.8, top_k=5, top_p=0.9, seed=3), dict(temperature=1.0, min_p=0.1),
+             dict(temperature=0.7, top_k=0), dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2),
+             dict(min_new_tokens=8), dict(logprobs=3), dict(temperature=0.9, seed=11, logprobs=2)]
+    logits = torch.randn(len(kinds), 50) * 3
+    results = []
+    for device in ("cpu", "cuda"):
+        sampler = Sampler(50, frozenset({2}), torch.device(device))
+        seqs = [_seq(i, **k) for i, k in enumerate(kinds)]
+        lg = logits.to(device)
+        torch.cuda.synchronize()
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            pending = sampler.launch(lg, seqs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        results.append(sampler.resolve(pending))
+    cpu, gpu = results
+    greedy = [i for i, k in enumerate(kinds) if not k.get("temperature")]
+    assert [cpu.token_ids[i] for i in greedy] == [gpu.token_ids[i] for i in greedy]
+    assert all(t is not None for t in gpu.token_ids)
+    assert gpu.logprobs[6] is not None and len(gpu.logprobs[6].top) == 3
