@@ -80,11 +80,11 @@ def _threads(n: int) -> int:
     return min(1024, max(32, (n + 31) // 32 * 32))
 
 
-def _vec(x: torch.Tensor, n: int, *strides: int) -> bool:
-    """Whether rows of `n` elements of x's dtype at these strides (and x's own storage) move in 16-byte
-    vectors: every row start 16-byte aligned and n a whole number of vectors."""
-    v = 16 // x.element_size()
-    return n % v == 0 and all(st % v == 0 for st in strides) and x.data_ptr() % 16 == 0
+def _vec(n: int, strides: tuple[int, ...], *tensors: torch.Tensor) -> bool:
+    """Whether rows of `n` elements at these strides, in these tensors (one dtype), move in 16-byte vectors:
+    every row start 16-byte aligned and n a whole number of vectors."""
+    v = 16 // tensors[0].element_size()
+    return n % v == 0 and all(st % v == 0 for st in strides) and all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -92,7 +92,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.shape[1]
     out = torch.empty((t, h), dtype=x.dtype, device=x.device)
     weight = weight.contiguous()
-    vec = _vec(x, h, stride) and weight.data_ptr() % 16 == 0
+    vec = _vec(h, (stride,), x, weight)
     if t:
         _launch("norms", "rms_norm", x.dtype, (t,), (_threads(h // (16 // x.element_size() if vec else 4)),),
                 (_ptr(x), _ptr(weight), _ptr(out), np.int32(h), np.int64(stride), np.float32(eps), np.int32(vec)),
@@ -108,7 +108,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     out = torch.empty((t, h), dtype=x.dtype, device=x.device)
     res = torch.empty((t, h), dtype=x.dtype, device=x.device)
     weight = weight.contiguous()
-    vec = _vec(x, h, xs, rs) and residual.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+    vec = _vec(h, (xs, rs), x, residual, weight)
     if t:
         _launch("norms", "fused_add_rms_norm", x.dtype, (t,), (_threads(h // (16 // x.element_size() if vec else 4)),),
                 (_ptr(x), _ptr(residual), _ptr(weight), _ptr(out), _ptr(res), np.int32(h),
@@ -120,7 +120,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     t, stride = _rows(x)
     f = x.shape[1] // 2
     out = torch.empty((t, f), dtype=x.dtype, device=x.device)
-    vec = _vec(x, f, stride)
+    vec = _vec(f, (stride,), x)
     if t:
         threads = 256
         per_thread = 16 // x.element_size() if vec else 1

@@ -20,7 +20,7 @@ import torch
 
 from mii_async.kernels.metadata import AttentionMetadata
 
-from .runner import pack_tables
+from .runner import fill_pending, pack_tables, placeholders
 from .step_plan import StepPlan
 
 log = logging.getLogger("mii_async.workers.cuda_graphs")
@@ -147,16 +147,16 @@ class DecodeGraphs:
         slots[:n] = table[np.arange(n), p // bs] * bs + p % bs
         clens[:n] = p + 1
         ids[n:], pos[n:], slots[n:], clens[n:] = 0, 0, self.scratch_slot, 1
-        neg = np.flatnonzero(ids[:n] < 0) if pending is not None else ()
-        if len(neg):
-            a[4 * m:4 * m + len(neg)] = neg
-            np.subtract(-1, ids[neg], out=a[5 * m:5 * m + len(neg)])
+        k = 0
+        if pending is not None:
+            rows, sources = placeholders(ids[:n])
+            k = len(rows)
+            a[4 * m:4 * m + k], a[5 * m:5 * m + k] = rows, sources
         used = _FIELDS * m + b * w
         cap.dev[:used].copy_(cap.hosts[cap.turn][:used], non_blocking=True)
         cap.turn ^= 1
-        if len(neg):
-            assert pending is not None
-            cap.ids.index_copy_(0, cap.patch[:len(neg)], pending.index_select(0, cap.patch[m:m + len(neg)]))
+        if k:
+            fill_pending(cap.ids, cap.patch[:k], cap.patch[m:m + k], pending)
         cap.graphs[b].replay()
         self.replays += 1
         return self.logits[:n]

@@ -162,36 +162,8 @@ class Engine:
         step's: this one is launched first, so that the device never waits for the host's bookkeeping."""
         if self.async_scheduling:
             return self._step_async()
-        plan = self.scheduler.schedule()
-        if not plan:
-            return []
-        if self.tp is not None:
-            self.tp.send_plan(plan)
-        logits = self.runner.execute(plan)
-        sampled = self.scheduler.commit_step()
-        result = self.sampler(logits, sampled)
-        outputs = []
-        finished = []
-        eos, max_len = self.spec.eos_token_ids, self.max_model_len
-        for seq, tok, lp in zip(sampled, result.token_ids, result.logprobs):
-            out = seq.output_ids
-            out.append(tok)
-            # "stop" (EOS / stop id, once min_new_tokens exist) before "length"; inlined, as this loop
-            # runs once per running sequence per step
-            p, n = seq.params, len(out)
-            if n >= p.min_new_tokens and (tok in p.stop_token_ids or (not p.ignore_eos and tok in eos)):
-                reason: str | None = "stop"
-                finished.append(seq)
-            elif n >= p.max_new_tokens or len(seq.prompt_ids) + n >= max_len:
-                reason = "length"
-                finished.append(seq)
-            else:
-                reason = None
-            outputs.append(EngineOutput(seq.req_id, tok, lp, reason, seq.num_cached_prompt_tokens))
-        if finished:
-            self._finish(finished)
-        self.num_steps += 1
-        return outputs
+        launched = self._launch(None)
+        return self._read(launched) if launched is not None else []
 
     def _step_async(self) -> list[EngineOutput]:
         """Schedules and launches step N+1 while step N runs, then reads N's ids. N's sampled sequences hold
@@ -202,21 +174,29 @@ class Engine:
         outputs: list[EngineOutput] = []
         if prev is not None and not prev.history_free:
             outputs, prev = self._read(prev), None
-        plan = self.scheduler.schedule()
-        if plan:
-            logits = self.runner.execute(plan, prev.sample.token_ids if prev is not None else None)
-            sampled = self.scheduler.commit_step()
-            sample = self.sampler.launch(logits, sampled)
-            slots = []
-            for i, seq in enumerate(sampled):
-                seq.output_ids.append(-1 - i)
-                seq.num_pending += 1
-                slots.append(len(seq.output_ids) - 1)
-            self._inflight = _InFlight(sampled, slots, sample, all(s.history_free for s in sampled))
-            self.num_steps += 1
+        self._inflight = self._launch(prev)
         if prev is not None:
             outputs = self._read(prev)
         return outputs
+
+    def _launch(self, prev: _InFlight | None) -> _InFlight | None:
+        """Schedules a step and enqueues its forward pass and sampling; each sampled sequence gets a placeholder
+        id until `_read`. `prev`: the step still in flight, whose ids the placeholders in this plan stand for."""
+        plan = self.scheduler.schedule()
+        if not plan:
+            return None
+        if self.tp is not None:
+            self.tp.send_plan(plan)
+        logits = self.runner.execute(plan, prev.sample.token_ids if prev is not None else None)
+        sampled = self.scheduler.commit_step()
+        sample = self.sampler.launch(logits, sampled)
+        slots = []
+        for i, seq in enumerate(sampled):
+            seq.output_ids.append(-1 - i)
+            seq.num_pending += 1
+            slots.append(len(seq.output_ids) - 1)
+        self.num_steps += 1
+        return _InFlight(sampled, slots, sample, all(s.history_free for s in sampled))
 
     def flush(self) -> list[EngineOutput]:
         """Reads the step in flight, if any (async scheduling): afterwards no output id is a placeholder."""
@@ -224,10 +204,13 @@ class Engine:
         return self._read(prev) if prev is not None else []
 
     def _read(self, step: _InFlight) -> list[EngineOutput]:
-        """Reads a launched step's ids into its sequences' placeholders; ends those that are done."""
+        """Reads a launched step's ids into its sequences' placeholders; ends those that are done: "stop" (EOS /
+        a stop id, once min_new_tokens exist) before "length". Runs once per sampled sequence per step, so the
+        checks are inlined."""
         result = self.sampler.resolve(step.sample)
         outputs, finished = [], []
         eos, register = self.spec.eos_token_ids, self.block_manager.register_full_blocks
+        async_ = self.async_scheduling
         for seq, at, tok, lp in zip(step.seqs, step.slots, result.token_ids, result.logprobs):
             if seq.status is Status.FINISHED:
                 continue                     # aborted, or ended by the step before: its row is dropped
@@ -245,8 +228,9 @@ class Engine:
                 del out[n:]                  # the next step's placeholder, if it was scheduled
                 seq.num_pending = 0
                 finished.append(seq)
-            if seq.num_pending == 0 and seq.status is Status.RUNNING:
-                register(seq)                # blocks whose hashing waited on this token
+            if async_ and seq.num_pending == 0 and seq.status is Status.RUNNING:
+                register(seq)                # blocks whose hashing waited on this token (synchronous steps
+                                             # commit with no placeholder, so they hashed them already)
             outputs.append(EngineOutput(seq.req_id, tok, lp, reason, seq.num_cached_prompt_tokens))
         if finished:
             self._finish(finished)

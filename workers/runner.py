@@ -67,11 +67,8 @@ def host_inputs(plan: StepPlan, block_size: int, ragged: bool = False, pending: 
     if ragged and plan.num_decodes < n:
         layout, groups = prefill_layout(tables, qlens, clens, plan.num_decodes, block_size)
         groups = [g._replace(slots=(g.slots[0] + base, g.slots[1] + base), cu=g.cu + base) for g in groups]
-    neg = None
-    if pending:
-        ids = np.asarray(ids, np.int64)
-        neg = np.flatnonzero(ids < 0)
-    npatch = 0 if neg is None else len(neg)
+    rows, sources = placeholders(np.asarray(ids, np.int64)) if pending else (None, None)
+    npatch = 0 if rows is None else len(rows)
     end = base + (0 if layout is None else len(layout))
     buf = np.empty(end + 2 * npatch, np.int64)
     o = num_tok
@@ -84,8 +81,8 @@ def host_inputs(plan: StepPlan, block_size: int, ragged: bool = False, pending: 
     if layout is not None:
         buf[base:end] = layout
     if npatch:
-        buf[end:end + npatch] = neg
-        np.subtract(-1, ids[neg], out=buf[end + npatch:])
+        buf[end:end + npatch] = rows
+        buf[end + npatch:] = sources
     ids_v[:] = ids
     clens_v[:] = clens
     assert ((clens_v + block_size - 1) // block_size <= lens).all(), "a block table does not cover its tokens"
@@ -104,11 +101,16 @@ def host_inputs(plan: StepPlan, block_size: int, ragged: bool = False, pending: 
     return HostInputs(buf, num_tok, num_sampled, width, qlens, clens, groups, npatch)
 
 
-def fill_pending(ids: torch.Tensor, patch: torch.Tensor, pending: torch.Tensor | None) -> None:
-    """Writes the placeholder rows of `ids` from `pending` on the device: patch [2P] = P rows, P sources."""
+def placeholders(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of `ids` that hold placeholders (−1 − r), and each one's r: its row in the step in flight."""
+    rows = np.flatnonzero(ids < 0)
+    return rows, -1 - ids[rows]
+
+
+def fill_pending(ids: torch.Tensor, rows: torch.Tensor, sources: torch.Tensor, pending: torch.Tensor | None) -> None:
+    """Writes the placeholder rows of `ids` on the device: ids[rows] = pending[sources]."""
     assert pending is not None, "placeholder ids in a plan without the step they wait on"
-    p = patch.shape[0] // 2
-    ids.index_copy_(0, patch[:p], pending.index_select(0, patch[p:]))
+    ids.index_copy_(0, rows, pending.index_select(0, sources))
 
 
 class Runner:
@@ -136,7 +138,7 @@ class Runner:
             buf = buf.pin_memory().to(self.device, non_blocking=True)
         t, n, r, w = h.num_tokens, len(h.query_lens), h.num_sampled, h.width
         if h.patch:
-            fill_pending(buf[:t], buf[-2 * h.patch:], pending)
+            fill_pending(buf[:t], buf[-2 * h.patch:-h.patch], buf[-h.patch:], pending)
         o = 3 * t + 2 * n + 1                         # [T] ids, positions, slots; [S] clens; [S+1] qsl
         meta = AttentionMetadata(slot_mapping=buf[2 * t:3 * t], block_tables=buf[o + r:o + r + n * w].view(n, w),
                                  context_lens=buf[3 * t:3 * t + n], query_start_loc=buf[3 * t + n:o],

@@ -155,16 +155,9 @@ class Scheduler:
         add = seqs.append
         for seq, n in chosen:
             start = seq.num_computed_tokens
-            prompt, out = seq.prompt_ids, seq.output_ids
-            p = len(prompt)
             end = start + n
-            if start >= p:                       # decodes, and recomputed output: no list concatenation
-                tokens = out[start - p:end - p]
-            elif end <= p:
-                tokens = prompt[start:end]
-            else:
-                tokens = prompt[start:] + out[:end - p]
-            add(ScheduledSeq(seq.req_id, tokens, start, seq.block_table.copy(), end == p + len(out)))
+            add(ScheduledSeq(seq.req_id, seq.token_ids(start, end), start, seq.block_table.copy(),
+                             end == seq.num_tokens))
         return StepPlan(seqs, len(ones), preempted)
 
     def commit(self, seq: Sequence, num_tokens: int) -> None:
