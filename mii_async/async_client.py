@@ -19,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import sys
 import threading
 import time
-import weakref
 import uuid
-from typing import Any, AsyncIterator, Coroutine, Sequence, TypeVar
+import weakref
+from typing import Any, AsyncIterator, Awaitable, Coroutine, Sequence, TypeVar
 
 import zmq.asyncio
 
@@ -112,7 +113,7 @@ class _Connection:
     async def send(self, msg: P.Message) -> None:
         """Sends, or raises UnavailableError when no connection to the router comes up within timeout_s."""
         try:
-            await asyncio.wait_for(self.sock.send(msg), self.client.timeout_s)
+            await within(self.sock.send(msg), self.client.timeout_s)
         except asyncio.TimeoutError:
             raise UnavailableError(f"could not reach the router at {self.client.address} "
                                    f"within {self.client.timeout_s:.0f} s") from None
@@ -122,6 +123,17 @@ class _Connection:
         for t in self.tasks:
             t.cancel()
         self.sock.close()
+
+
+async def within(aw: Awaitable[T], timeout_s: float) -> T:
+    """`await aw` with a timeout (asyncio.TimeoutError), cancellable at every point. Python 3.11's
+    `asyncio.wait_for` returns the result, swallowing a cancel, when the task is cancelled just as `aw`
+    completes: a stream cancelled right after it sent its request would then run to the end. `asyncio.timeout`
+    (3.11+) does not."""
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(timeout_s):
+            return await aw
+    return await asyncio.wait_for(aw, timeout_s)
 
 
 def _release(ctx: zmq.asyncio.Context, socks: list[DealerSocket]) -> None:
@@ -256,7 +268,7 @@ class AsyncClient:
         """Stops the deployment: live requests get up to `drain_s` to finish, then end with "abort"; every
         router and worker process exits. Returns once the router has exited when this client started it."""
         req_id = f"shutdown-{next(self._ids)}"
-        await asyncio.wait_for(self._ask(req_id, P.Shutdown(float(drain_s), req_id)), self.timeout_s)
+        await within(self._ask(req_id, P.Shutdown(float(drain_s), req_id)), self.timeout_s)
         if self._process is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._process.wait, drain_s + 60.0)
             self._process.stop(10.0)

@@ -211,3 +211,33 @@ def test_unclosed_client_is_collected_without_blocking():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "UnavailableError" in r.stdout and "collected in" in r.stdout
+
+
+def test_a_cancel_as_the_send_completes_is_not_lost():
+    """The client's timed awaits stay cancellable at the instant they complete (Python 3.11's wait_for
+    swallows that cancel: a stream cancelled right after sending its request would run to the end)."""
+    from mii_async.async_client import within
+
+    async def main():
+        inner = asyncio.get_running_loop().create_future()
+
+        async def body():
+            await within(inner, 5.0)
+            return "ran on"
+
+        task = asyncio.ensure_future(body())
+        await asyncio.sleep(0)                    # the task now waits on `inner`
+        inner.set_result(None)
+        task.cancel()                             # in the same loop turn as the completion
+        try:
+            return await task
+        except asyncio.CancelledError:
+            return "cancelled"
+
+    assert asyncio.run(main()) == "cancelled"
+
+    async def slow():
+        with pytest.raises(asyncio.TimeoutError):
+            await within(asyncio.sleep(5), 0.05)
+
+    asyncio.run(slow())
