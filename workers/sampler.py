@@ -45,6 +45,21 @@ class PendingSample(NamedTuple):
     token_ids: torch.Tensor              # [S] int64 on the device
     num_rows: int
     logprobs: tuple | None = None        # (rows, n per row, own [L], top values [L, k], top ids [L, k])
+    host: tuple = ()                     # the ids, then own / top values / top ids, as queued host copies
+    ready: object = None                 # a torch.cuda.Event recorded after those copies; None on the CPU
+
+
+def _staged(ids: torch.Tensor, num_rows: int, logprobs: tuple | None = None) -> PendingSample:
+    """Queues the step's device → host copies into pinned memory behind an event. Reading `ids.tolist()`
+    instead would be a synchronous copy on the stream, which under async scheduling already holds the next
+    step: the read would wait for that step too, and the device would idle while the host plans the one after."""
+    tensors = (ids, *logprobs[2:]) if logprobs is not None else (ids,)
+    if ids.device.type != "cuda":
+        return PendingSample(ids, num_rows, logprobs, tensors)
+    host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors)
+    ready = torch.cuda.Event()
+    ready.record()
+    return PendingSample(ids, num_rows, logprobs, host, ready)
 
 
 class Sampler:
@@ -82,8 +97,8 @@ class Sampler:
             lg = logits[:, : self.vocab_size]
             if lg.dtype != torch.float32:
                 lg = lg.float()
-            return PendingSample(torch.argmax(lg, -1), len(seqs))
-        logits = logits[:, : self.vocab_size].to(torch.float32, copy=True)   # penalties write in place
+            return _staged(torch.argmax(lg, -1), len(seqs))
+        logits = logits[:, : self.vocab_size].to(torch.float32, copy=True).contiguous()   # written in place
         self._penalize(logits, seqs)
         want_lp = [s.params.logprobs for s in seqs]
         lp_rows = [i for i, n in enumerate(want_lp) if n is not None]
@@ -104,23 +119,25 @@ class Sampler:
                     noise[j].exponential_(generator=self._generator(seqs[i]))
             chosen[idx] = torch.argmax(probs / noise, -1)
         if logprobs is None:
-            return PendingSample(chosen, len(seqs))
+            return _staged(chosen, len(seqs))
         # Every logprob row at once: the chosen token's value and the top max(n), cut to each row's n.
         idx = to_device(lp_rows, logits.device)
         own = logprobs.gather(1, chosen[idx][:, None])[:, 0]     # [L]
         k = max(want_lp[i] for i in lp_rows)
         top_v, top_i = torch.topk(logprobs, k, -1) if k else (logprobs[:, :0], logprobs[:, :0].long())
-        return PendingSample(chosen, len(seqs), (lp_rows, [want_lp[i] for i in lp_rows], own, top_v, top_i))
+        return _staged(chosen, len(seqs), (lp_rows, [want_lp[i] for i in lp_rows], own, top_v, top_i))
 
     @staticmethod
     def resolve(p: PendingSample) -> SampleResult:
-        """The chosen ids (the step's one device → host read) and the logprobs, whose values were enqueued
-        before it, so that their reads wait on no further work."""
-        token_ids = p.token_ids.tolist()
+        """The chosen ids and logprobs, once their step's copies are done (the step's one wait on the device;
+        it does not wait for work queued after them)."""
+        if p.ready is not None:
+            p.ready.synchronize()
+        token_ids = p.host[0].tolist()
         out_lp: list[TokenLogprobs | None] = [None] * p.num_rows
         if p.logprobs is not None:
-            rows, ns, own, top_v, top_i = p.logprobs
-            own_l, top_vl, top_il = own.tolist(), top_v.tolist(), top_i.tolist()
+            rows, ns = p.logprobs[:2]
+            own_l, top_vl, top_il = (t.tolist() for t in p.host[1:])
             for j, (i, n) in enumerate(zip(rows, ns)):
                 out_lp[i] = TokenLogprobs(own_l[j], list(zip(top_il[j][:n], top_vl[j][:n])))
         return SampleResult(token_ids, out_lp)
@@ -144,8 +161,10 @@ class Sampler:
                 if ends:
                     masked.setdefault(ends, []).append(i)
         for ends, rows in masked.items():                 # one write per distinct set, not one per row
-            r = to_device(rows, logits.device)
-            logits[r[:, None], to_device(ends, logits.device)[None, :]] = float("-inf")
+            # index_fill_ of flat positions with a scalar: assigning a Python float through advanced
+            # indexing copies it up as a tensor, which synchronizes
+            flat = [i * logits.shape[1] + e for i in rows for e in ends]
+            logits.view(-1).index_fill_(0, to_device(flat, logits.device), float("-inf"))
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

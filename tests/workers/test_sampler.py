@@ -89,7 +89,15 @@ def test_launch_never_waits_on_the_device():
         seqs = [_seq(i, **k) for i, k in enumerate(kinds)]
         lg = logits.to(device)
         torch.cuda.synchronize()
-        if device == "cuda":
+        if device == "cuda":                  # each kind alone first, so that a failure names it
+            for i, k in enumerate(kinds):
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    sampler.launch(lg[i:i + 1], [_seq(100 + i, **k)])
+                except RuntimeError as exc:
+                    raise AssertionError(f"launch of {k} synchronizes: {exc}") from exc
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
             torch.cuda.set_sync_debug_mode("error")
         try:
             pending = sampler.launch(lg, seqs)
@@ -101,3 +109,32 @@ def test_launch_never_waits_on_the_device():
     assert [cpu.token_ids[i] for i in greedy] == [gpu.token_ids[i] for i in greedy]
     assert all(t is not None for t in gpu.token_ids)
     assert gpu.logprobs[6] is not None and len(gpu.logprobs[6].top) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("params", [dict(), dict(logprobs=2)])
+def test_resolve_waits_only_for_its_own_step(params):
+    """`resolve` reads a step's ids behind that step's own event: work queued on the stream after the launch
+    (under async scheduling, the next step) does not delay it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    sampler = Sampler(50, frozenset({2}), torch.device("cuda"))
+    logits = torch.randn(4, 50, device="cuda")
+    want = torch.argmax(logits, -1).tolist()
+    pending = sampler.launch(logits, [_seq(i, **params) for i in range(4)])
+    torch.cuda.synchronize()
+    t = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    pending = sampler.launch(logits, [_seq(i, **params) for i in range(4)])
+    t[0].record()
+    torch.cuda._sleep(int(2e9))              # about a second of device time, queued behind the step
+    t[1].record()
+    import time
+    t0 = time.perf_counter()
+    result = sampler.resolve(pending)
+    waited = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    assert t[0].elapsed_time(t[1]) > 200, "the sleep kernel did not hold the stream"
+    assert waited < 0.1, f"resolve waited {waited:.3f} s: it waited for work queued after its step"
+    assert result.token_ids == want
+    if params:
+        assert all(lp is not None and len(lp.top) == 2 for lp in result.logprobs)
