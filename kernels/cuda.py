@@ -146,6 +146,23 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     return q_out
 
 
+_counters: dict[int, torch.Tensor] = {}
+_retired: list[torch.Tensor] = []
+
+
+def _split_counters(n: int, device: torch.device) -> torch.Tensor:
+    """The decode kernel's per-(sequence, KV head) split counters: zeroed once, and left at zero by every
+    launch (the last split resets its own), so no memset per call. A larger need gets a new buffer; the old one
+    is kept, since captured graphs hold its address."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    c = _counters.get(idx)
+    if c is None or c.numel() < n:
+        if c is not None:
+            _retired.append(c)
+        c = _counters[idx] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+    return c
+
+
 def decode_supported(num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Shapes the decode kernel handles: head dims 32 … 256 in steps of 32, up to MAX_GQA query heads per KV
     head. (Others — the tests' tiny models have head dim 8 — take the reference.)"""
@@ -185,12 +202,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     gbound = next(b for b in (4, 8, MAX_GQA) if g <= b)       # the kernel sized for this GQA ratio
     _launch("paged_attention_decode", f"paged_attention_decode_g{gbound}", q.dtype, (s, hkv, splits), (DECODE_THREADS,),
             (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(bt), _ptr(cl), _ptr(out), _ptr(part_out), _ptr(part_max),
-             _ptr(part_sum), np.int32(hq), np.int32(hkv), np.int32(d), np.int32(bs), np.int32(bt.shape[1]),
-             np.int32(partition), np.float32(scale)), shared_mem=smem)
-    if splits > 1:
-        _launch("paged_attention_decode", "paged_attention_reduce", q.dtype, (s, hq), (_threads(d),),
-                (_ptr(part_out), _ptr(part_max), _ptr(part_sum), _ptr(out), np.int32(hq), np.int32(d),
-                 np.int32(splits)))
+             _ptr(part_sum), _ptr(_split_counters(s * hkv, q.device)), np.int32(hq), np.int32(hkv), np.int32(d),
+             np.int32(bs), np.int32(bt.shape[1]), np.int32(partition), np.float32(scale)), shared_mem=smem)
     return out
 
 

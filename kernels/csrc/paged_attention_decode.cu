@@ -4,43 +4,153 @@
 // Grid (num_seqs, num_kv_heads, num_splits), NUM_THREADS threads. One block takes one KV head, the G = Hq/Hkv
 // query heads that share it (GQA: each K/V row is read once for all G), and one partition of `partition`
 // context tokens. Scores, softmax and the weighted sum of V are in fp32. With one split the block writes the
-// output; otherwise it writes its partition's (max, sum, normalised output) and paged_attention_reduce
-// combines them. Caches are [num_blocks, block_size, Hkv, D]; block_tables [num_seqs, max_blocks] int64.
+// output; otherwise it writes its partition's (max, sum, normalised output), and the last of the splits to
+// finish combines them (`combine_if_last`; `counters` [num_seqs * Hkv] int32, zero between launches). Caches
+// are [num_blocks, block_size, Hkv, D]; block_tables [num_seqs, max_blocks] int64.
 //
 //   QK:  a group of 4 lanes takes one token (8 tokens per warp at once); lane j of the group loads 16-byte
 //        chunks j, j+4, … of the key row (coalesced 64 B per group), dots them with the G queries held in
 //        shared memory, and the group sums over 2 shuffles.
 //   softmax: warp w takes query heads w, w+4, … (warp reductions only).
 //   PV:  a V row is read as 16-byte chunks by a few lanes, so that a warp loads several rows at once (and
-//        PV_UNROLL times over) before the arithmetic, for up to 4 query heads at a time; partial sums meet by
-//        shuffles within the warp, then across warps in shared memory.
+//        PV_UNROLL times over, the next ones in flight while these are multiplied; the first before QK), for up
+//        to 4 query heads at a time; partial sums meet by shuffles within the warp, then across warps in shared
+//        memory.
 #include "common.cuh"
 
 #define NUM_THREADS 128
 #define NUM_WARPS (NUM_THREADS / 32)
 // Resident blocks per SM that the register budget must allow (occupancy), by the bound on G.
-#define MIN_BLOCKS_4 8
+#ifndef MIN_BLOCKS_4              // (-D overrides them, for tuning)
+#define MIN_BLOCKS_4 6
+#endif
+#ifndef MIN_BLOCKS_8
 #define MIN_BLOCKS_8 6
+#endif
+#ifndef MIN_BLOCKS_16
 #define MIN_BLOCKS_16 4
+#endif
 #define LANES_PER_TOKEN 4
 #define NEG_INF (-3.0e38f)
+#ifndef PV_UNROLL
 #define PV_UNROLL 2
+#endif
 
-// 16 bytes of a cache row as floats: 8 elements of a 16-bit type, 4 of float.
+// 16 bytes of a cache row: 8 elements of a 16-bit type, 4 of float. Loads keep them packed (4 registers)
+// until the arithmetic, so that more rows can be in flight.
 template <typename D> struct Chunk { static constexpr int N = 8; };
 template <> struct Chunk<F32> { static constexpr int N = 4; };
 
+__device__ __forceinline__ uint4 zero_chunk() {
+  uint4 z;
+  z.x = z.y = z.z = z.w = 0u;
+  return z;
+}
 template <typename D>
-__device__ __forceinline__ void load_chunk(const typename D::T* p, float* out) {
-  uint4 raw = *reinterpret_cast<const uint4*>(p);
-  const unsigned short* h = reinterpret_cast<const unsigned short*>(&raw);
+__device__ __forceinline__ void unpack(const uint4& raw, float* out) {
+  const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
-  for (int i = 0; i < 8; ++i) out[i] = Cvt<D>::load(h[i]);
+  for (int i = 0; i < 4; ++i) {
+    out[2 * i] = Cvt<D>::load((typename D::T)(w[i] & 0xffffu));
+    out[2 * i + 1] = Cvt<D>::load((typename D::T)(w[i] >> 16));
+  }
 }
 template <>
-__device__ __forceinline__ void load_chunk<F32>(const float* p, float* out) {
-  float4 raw = *reinterpret_cast<const float4*>(p);
-  out[0] = raw.x; out[1] = raw.y; out[2] = raw.z; out[3] = raw.w;
+__device__ __forceinline__ void unpack<F32>(const uint4& raw, float* out) {
+  out[0] = __uint_as_float(raw.x); out[1] = __uint_as_float(raw.y);
+  out[2] = __uint_as_float(raw.z); out[3] = __uint_as_float(raw.w);
+}
+template <typename D>
+__device__ __forceinline__ void load_chunk(const typename D::T* p, float* out) {
+  unpack<D>(*reinterpret_cast<const uint4*>(p), out);
+}
+// PV_UNROLL V chunks at `dim0` of rows base, base + step, … (zeros past n).
+template <typename D>
+__device__ __forceinline__ void load_v(uint4 (&r)[PV_UNROLL], const typename D::T* __restrict__ v_cache,
+                                       const long long* rows, int base, int step, int n, int dim0) {
+#pragma unroll
+  for (int u = 0; u < PV_UNROLL; ++u) {
+    const int i = base + u * step;
+    r[u] = i < n ? *reinterpret_cast<const uint4*>(v_cache + rows[i] + dim0) : zero_chunk();
+  }
+}
+
+// Split i's weight in the combined softmax: sum_i * exp(max_i - max); 0 for an empty split or past the end.
+__device__ __forceinline__ float split_weight(const float* pm, const float* ps, int i, int num_splits, float mx) {
+  if (i >= num_splits) return 0.f;
+  const float l = __ldcg(ps + i);
+  return l > 0.f ? l * __expf(__ldcg(pm + i) - mx) : 0.f;
+}
+
+// The last block of a (sequence, KV head) to finish combines the partitions of its G query heads (the
+// flash-decoding reduce, without a second kernel): every block publishes its (max, sum, output) and counts
+// itself in; the one that counts last reads them all from L2, writes the output and resets the counter for the
+// next launch (or graph replay).
+template <typename D>
+__device__ void combine_if_last(const float* __restrict__ part_out, const float* __restrict__ part_max,
+                                const float* __restrict__ part_sum, typename D::T* __restrict__ out,
+                                int* __restrict__ counters, int num_q_heads, int head_dim, int G) {
+  __shared__ int last;
+  const int seq = blockIdx.x, kvh = blockIdx.y, num_splits = gridDim.z;
+  __threadfence();                               // this block's partition, visible before it counts
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* c = counters + (long long)seq * gridDim.y + kvh;
+    last = atomicAdd(c, 1) == num_splits - 1;
+    if (last) *c = 0;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  // One warp per query head: lanes take 32 splits at a time for the max and the weights, then each lane sums
+  // its head_dim / 32 dims of every split's output, with the split's weight passed by shuffle (the loads are
+  // not behind the weight's branch, so that they pipeline; an unwritten output is loaded, never used).
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, per_lane = head_dim / 32;
+  for (int g = warp; g < G; g += NUM_WARPS) {
+    const long long row = (long long)seq * num_q_heads + kvh * G + g;
+    const float* pm = part_max + row * num_splits;
+    const float* ps = part_sum + row * num_splits;
+    float mx = NEG_INF;
+    for (int i = lane; i < num_splits; i += 32) mx = fmaxf(mx, __ldcg(pm + i));   // an empty one: NEG_INF
+    mx = warp_max(mx);
+    // Head dim 128 (the common case): one float4 per lane and split, all splits' loads in flight at once.
+    // Otherwise one dim at a time (a slower loop, for other head dims).
+    const float* po = part_out + row * num_splits * head_dim;
+    if (per_lane == 4) {
+      float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f, den = 0.f;
+      for (int c = 0; c < num_splits; c += 32) {
+        const float w = split_weight(pm, ps, c + lane, num_splits, mx);
+        den += w;
+        const int m = min(32, num_splits - c);
+#pragma unroll 4
+        for (int k = 0; k < m; ++k) {
+          const float wk = __shfl_sync(0xffffffffu, w, k);
+          const float4 x = __ldcg(reinterpret_cast<const float4*>(po + (c + k) * head_dim) + lane);
+          if (wk > 0.f) {                        // an empty partition weighs 0: its output was never written
+            a0 += wk * x.x; a1 += wk * x.y; a2 += wk * x.z; a3 += wk * x.w;
+          }
+        }
+      }
+      den = warp_sum(den);
+      typename D::T* o = out + row * head_dim + 4 * lane;
+      o[0] = Cvt<D>::store(a0 / den); o[1] = Cvt<D>::store(a1 / den);
+      o[2] = Cvt<D>::store(a2 / den); o[3] = Cvt<D>::store(a3 / den);
+    } else {
+      for (int e = 0; e < per_lane; ++e) {
+        float acc = 0.f, den = 0.f;
+        for (int c = 0; c < num_splits; c += 32) {
+          const float w = split_weight(pm, ps, c + lane, num_splits, mx);
+          den += w;
+          const int m = min(32, num_splits - c);
+          for (int k = 0; k < m; ++k) {
+            const float wk = __shfl_sync(0xffffffffu, w, k);
+            if (wk > 0.f) acc += wk * __ldcg(po + (c + k) * head_dim + lane * per_lane + e);
+          }
+        }
+        out[row * head_dim + lane * per_lane + e] = Cvt<D>::store(acc / warp_sum(den));
+      }
+    }
+  }
 }
 
 template <typename D, int MAX_G>
@@ -48,23 +158,15 @@ __device__ void decode_partition(const typename D::T* __restrict__ q, const type
                                  const typename D::T* __restrict__ v_cache, const long long* __restrict__ block_tables,
                                  const long long* __restrict__ context_lens, typename D::T* __restrict__ out,
                                  float* __restrict__ part_out, float* __restrict__ part_max,
-                                 float* __restrict__ part_sum, int num_q_heads, int num_kv_heads, int head_dim,
-                                 int block_size, int max_blocks, int partition, float scale) {
+                                 float* __restrict__ part_sum, int* __restrict__ counters, int num_q_heads,
+                                 int num_kv_heads, int head_dim, int block_size, int max_blocks, int partition,
+                                 float scale) {
   constexpr int CN = Chunk<D>::N;
   const int seq = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, num_splits = gridDim.z;
   const int G = num_q_heads / num_kv_heads;
   const int ctx = (int)context_lens[seq];
   const int start = split * partition;
-  const int end = min(start + partition, ctx);
-  const int n = end - start;
   const long long part_row = ((long long)seq * num_q_heads + kvh * G) * num_splits + split;  // head g adds g*num_splits
-  if (n <= 0) {                                  // an empty partition of a shorter sequence
-    if (threadIdx.x < G) {
-      part_max[part_row + threadIdx.x * num_splits] = NEG_INF;
-      part_sum[part_row + threadIdx.x * num_splits] = 0.f;
-    }
-    return;
-  }
   extern __shared__ float smem[];
   float* q_s = smem;                             // [G, D] the queries, fp32
   float* scores = q_s + G * head_dim;            // [G, partition] scores, then probabilities
@@ -74,18 +176,31 @@ __device__ void decode_partition(const typename D::T* __restrict__ q, const type
   const long long kv_stride = (long long)num_kv_heads * head_dim;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
+  // The queries and the rows of the whole partition (as far as the table reaches) are read while the context
+  // length is still in flight: a padded table entry is a valid block, and rows past the context are not read.
   for (int j = threadIdx.x; j < G * head_dim; j += NUM_THREADS)
     q_s[j] = Cvt<D>::load(q[((long long)seq * num_q_heads + kvh * G) * head_dim + j]);
-  for (int i = threadIdx.x; i < n; i += NUM_THREADS) {
+  const int table_end = min(start + partition, max_blocks * block_size);
+  for (int i = threadIdx.x; start + i < table_end; i += NUM_THREADS) {
     int t = start + i;
     long long block = block_tables[(long long)seq * max_blocks + t / block_size];
     rows[i] = (block * block_size + t % block_size) * kv_stride + (long long)kvh * head_dim;
   }
+  const int n = min(start + partition, ctx) - start;
+  if (n > 0) {                                   // else an empty partition of a shorter sequence
   __syncthreads();
+  const int chunks = head_dim / CN;              // 16-byte chunks per row
+  // PV's layout (below), and its first V chunks, loaded now so that they arrive during QK and the softmax.
+  int lanes = 32;
+  while (lanes > 1 && chunks % lanes != 0) lanes >>= 1;
+  if (lanes > chunks) lanes = chunks;
+  const int rows_per_warp = 32 / lanes, slot = lane / lanes;
+  const int row_step = NUM_WARPS * rows_per_warp, first = warp * rows_per_warp + slot;
+  uint4 pre[PV_UNROLL];
+  load_v<D>(pre, v_cache, rows, first, row_step, n, (lane % lanes) * CN);
 
   // QK
   const int sub = lane % LANES_PER_TOKEN;        // this lane's place in its token group
-  const int chunks = head_dim / CN;              // 16-byte chunks per row
   // Each group takes two tokens per pass (STRIDE apart), loading both rows before the arithmetic, so that
   // more loads are in flight.
   constexpr int TOKENS_PER_WARP = 32 / LANES_PER_TOKEN;
@@ -160,14 +275,9 @@ __device__ void decode_partition(const typename D::T* __restrict__ q, const type
 
   // PV: a row of V is `lanes` lanes' 16-byte chunks (a power of two ≤ 32 dividing the row's chunks; a lane
   // takes `chunks / lanes` of them, one pass each), so a warp reads 32 / lanes rows at once, PV_UNROLL times
-  // over before it multiplies: up to 16 rows in flight per warp. The rows' partial sums meet by shuffles,
-  // then the warps' in shared memory.
+  // over, and the next PV_UNROLL rows are loaded while these are multiplied (software pipelined). The rows'
+  // partial sums meet by shuffles, then the warps' in shared memory.
   {
-    int lanes = 32;
-    while (lanes > 1 && chunks % lanes != 0) lanes >>= 1;
-    if (lanes > chunks) lanes = chunks;
-    const int rows_per_warp = 32 / lanes, slot = lane / lanes;
-    const int row_step = NUM_WARPS * rows_per_warp;
     for (int cp = 0; cp < chunks / lanes; ++cp) {
       const int dim0 = ((lane % lanes) + cp * lanes) * CN;
       for (int g0 = 0; g0 < G; g0 += 4) {
@@ -176,29 +286,32 @@ __device__ void decode_partition(const typename D::T* __restrict__ q, const type
         for (int a = 0; a < 4; ++a)
 #pragma unroll
           for (int e = 0; e < CN; ++e) acc[a][e] = 0.f;
-        for (int base = warp * rows_per_warp + slot; base < n; base += PV_UNROLL * row_step) {
-          float vf[PV_UNROLL][CN];
+        uint4 cur[PV_UNROLL];
+        if (cp == 0 && g0 == 0) {
 #pragma unroll
-          for (int u = 0; u < PV_UNROLL; ++u) {
-            const int i = base + u * row_step;
-            if (i < n) load_chunk<D>(v_cache + rows[i] + dim0, vf[u]);
-            else
-#pragma unroll
-              for (int e = 0; e < CN; ++e) vf[u][e] = 0.f;
-          }
+          for (int u = 0; u < PV_UNROLL; ++u) cur[u] = pre[u];
+        } else {
+          load_v<D>(cur, v_cache, rows, first, row_step, n, dim0);
+        }
+        for (int base = first; base < n; base += PV_UNROLL * row_step) {
+          uint4 nxt[PV_UNROLL];
+          load_v<D>(nxt, v_cache, rows, base + PV_UNROLL * row_step, row_step, n, dim0);
 #pragma unroll
           for (int u = 0; u < PV_UNROLL; ++u) {
             const int i = base + u * row_step;
             if (i < n) {
+              float vf[CN];
+              unpack<D>(cur[u], vf);
 #pragma unroll
               for (int a = 0; a < 4; ++a) {
                 if (g0 + a < G) {
                   const float p = scores[(g0 + a) * partition + i];
 #pragma unroll
-                  for (int e = 0; e < CN; ++e) acc[a][e] += p * vf[u][e];
+                  for (int e = 0; e < CN; ++e) acc[a][e] += p * vf[e];
                 }
               }
             }
+            cur[u] = nxt[u];
           }
         }
 #pragma unroll
@@ -233,27 +346,11 @@ __device__ void decode_partition(const typename D::T* __restrict__ q, const type
       }
     }
   }
-}
-
-// Combines the partitions of each (sequence, query head): grid (num_seqs, num_q_heads), head_dim threads.
-template <typename D>
-__device__ void reduce_partitions(const float* __restrict__ part_out, const float* __restrict__ part_max,
-                                  const float* __restrict__ part_sum, typename D::T* __restrict__ out,
-                                  int num_q_heads, int head_dim, int num_splits) {
-  const long long row = (long long)blockIdx.x * num_q_heads + blockIdx.y;
-  float mx = NEG_INF;
-  for (int i = 0; i < num_splits; ++i) mx = fmaxf(mx, part_max[row * num_splits + i]);
-  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-    float num = 0.f, den = 0.f;
-    for (int i = 0; i < num_splits; ++i) {
-      float l = part_sum[row * num_splits + i];
-      if (l == 0.f) continue;                   // an empty partition: its output was never written
-      float w = l * __expf(part_max[row * num_splits + i] - mx);
-      num += w * part_out[(row * num_splits + i) * head_dim + d];
-      den += w;
-    }
-    out[row * head_dim + d] = Cvt<D>::store(num / den);
+  } else if (threadIdx.x < G) {
+    part_max[part_row + threadIdx.x * num_splits] = NEG_INF;
+    part_sum[part_row + threadIdx.x * num_splits] = 0.f;
   }
+  if (num_splits > 1) combine_if_last<D>(part_out, part_max, part_sum, out, counters, num_q_heads, head_dim, G);
 }
 
 // One decode kernel per bound on G = Hq / Hkv (4, 8, 16): the per-head score registers are sized by it, so
@@ -262,19 +359,14 @@ __device__ void reduce_partitions(const float* __restrict__ part_out, const floa
   extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_##G) paged_attention_decode_g##G##_##SUFFIX( \
       const D::T* q, const D::T* k_cache, const D::T* v_cache, const long long* block_tables,                \
       const long long* context_lens, D::T* out, float* part_out, float* part_max, float* part_sum,           \
-      int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, int partition,        \
-      float scale) {                                                                                           \
+      int* counters, int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,        \
+      int partition, float scale) {                                                                            \
     decode_partition<D, G>(q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_max,         \
-                           part_sum, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks, partition,  \
-                           scale);                                                                             \
+                           part_sum, counters, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks,   \
+                           partition, scale);                                                                  \
   }
 #define MII_DECODE(SUFFIX, D)                                                                                  \
   MII_DECODE_G(SUFFIX, D, 4)                                                                                   \
   MII_DECODE_G(SUFFIX, D, 8)                                                                                   \
-  MII_DECODE_G(SUFFIX, D, 16)                                                                                  \
-  extern "C" __global__ void paged_attention_reduce_##SUFFIX(const float* part_out, const float* part_max,    \
-                                                             const float* part_sum, D::T* out,                \
-                                                             int num_q_heads, int head_dim, int num_splits) { \
-    reduce_partitions<D>(part_out, part_max, part_sum, out, num_q_heads, head_dim, num_splits);              \
-  }
+  MII_DECODE_G(SUFFIX, D, 16)
 MII_FOR_DTYPES(MII_DECODE)
