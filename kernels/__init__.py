@@ -1,5 +1,10 @@
 """The op set the model calls: a torch reference (CPU and GPU) and CuPy/CUDA kernels.
 
+This directory installs as `mii_async.kernels`. From a checkout's root, which is on sys.path under
+`python -m` and in the tests, it is also importable as a top-level `kernels`, the name of the Hub's
+`kernels` distribution, which transformers imports when it is installed (transformers ≥ 5.25 depends on
+it). Imported under that name, this file puts the distribution in its place (`_yield_top_level_name`).
+
 `get_ops("reference")` returns the module of torch implementations, `get_ops("cuda")` the CuPy kernels
 (csrc/*.cu); every backend has the same signatures. `resolve_backend("auto", device)` is "cuda" on a CUDA
 device when CuPy imports, else "reference". Nothing here knows about the engine above it.
@@ -7,6 +12,32 @@ device when CuPy imports, else "reference". Nothing here knows about the engine 
 from __future__ import annotations
 
 from types import ModuleType
+
+
+def _yield_top_level_name() -> None:
+    """Loads the `kernels` package found on sys.path past this checkout and makes it sys.modules["kernels"]
+    (import returns what sys.modules holds once the file has run); ImportError if there is none."""
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for entry in sys.path:
+        if os.path.abspath(entry or os.curdir) == root:
+            continue
+        spec = importlib.machinery.PathFinder.find_spec("kernels", [entry])
+        if spec is not None and spec.loader is not None:
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["kernels"] = module
+            spec.loader.exec_module(module)
+            return
+    del sys.modules["kernels"]
+    raise ImportError("no module named 'kernels' outside this checkout (here, this directory is mii_async.kernels)")
+
+
+if __name__ == "kernels":
+    _yield_top_level_name()
 
 BACKENDS = ("reference", "cuda")
 
