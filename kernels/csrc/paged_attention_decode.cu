@@ -188,164 +188,164 @@ __device__ void decode_partition(const typename D::T* __restrict__ q, const type
   }
   const int n = min(start + partition, ctx) - start;
   if (n > 0) {                                   // else an empty partition of a shorter sequence
-  __syncthreads();
-  const int chunks = head_dim / CN;              // 16-byte chunks per row
-  // PV's layout (below), and its first V chunks, loaded now so that they arrive during QK and the softmax.
-  int lanes = 32;
-  while (lanes > 1 && chunks % lanes != 0) lanes >>= 1;
-  if (lanes > chunks) lanes = chunks;
-  const int rows_per_warp = 32 / lanes, slot = lane / lanes;
-  const int row_step = NUM_WARPS * rows_per_warp, first = warp * rows_per_warp + slot;
-  uint4 pre[PV_UNROLL];
-  load_v<D>(pre, v_cache, rows, first, row_step, n, (lane % lanes) * CN);
+    __syncthreads();
+    const int chunks = head_dim / CN;              // 16-byte chunks per row
+    // PV's layout (below), and its first V chunks, loaded now so that they arrive during QK and the softmax.
+    int lanes = 32;
+    while (lanes > 1 && chunks % lanes != 0) lanes >>= 1;
+    if (lanes > chunks) lanes = chunks;
+    const int rows_per_warp = 32 / lanes, slot = lane / lanes;
+    const int row_step = NUM_WARPS * rows_per_warp, first = warp * rows_per_warp + slot;
+    uint4 pre[PV_UNROLL];
+    load_v<D>(pre, v_cache, rows, first, row_step, n, (lane % lanes) * CN);
 
-  // QK
-  const int sub = lane % LANES_PER_TOKEN;        // this lane's place in its token group
-  // Each group takes two tokens per pass (STRIDE apart), loading both rows before the arithmetic, so that
-  // more loads are in flight.
-  constexpr int TOKENS_PER_WARP = 32 / LANES_PER_TOKEN;
-  constexpr int STRIDE = NUM_THREADS / LANES_PER_TOKEN;
-  for (int base = warp * TOKENS_PER_WARP; base < n; base += 2 * STRIDE) {        // warp-uniform
-    const int ia = base + lane / LANES_PER_TOKEN, ib = ia + STRIDE;
-    const bool va = ia < n, vb = ib < n;
-    const typename D::T* kpa = k_cache + (va ? rows[ia] : 0);
-    const typename D::T* kpb = k_cache + (vb ? rows[ib] : 0);
-    float da[MAX_G], db[MAX_G];
+    // QK
+    const int sub = lane % LANES_PER_TOKEN;        // this lane's place in its token group
+    // Each group takes two tokens per pass (STRIDE apart), loading both rows before the arithmetic, so that
+    // more loads are in flight.
+    constexpr int TOKENS_PER_WARP = 32 / LANES_PER_TOKEN;
+    constexpr int STRIDE = NUM_THREADS / LANES_PER_TOKEN;
+    for (int base = warp * TOKENS_PER_WARP; base < n; base += 2 * STRIDE) {        // warp-uniform
+      const int ia = base + lane / LANES_PER_TOKEN, ib = ia + STRIDE;
+      const bool va = ia < n, vb = ib < n;
+      const typename D::T* kpa = k_cache + (va ? rows[ia] : 0);
+      const typename D::T* kpb = k_cache + (vb ? rows[ib] : 0);
+      float da[MAX_G], db[MAX_G];
 #pragma unroll
-    for (int g = 0; g < MAX_G; ++g) da[g] = db[g] = 0.f;
+      for (int g = 0; g < MAX_G; ++g) da[g] = db[g] = 0.f;
 #pragma unroll 2
-    for (int c = sub; c < chunks; c += LANES_PER_TOKEN) {
-      float ka[CN], kb[CN];
-      if (va) load_chunk<D>(kpa + c * CN, ka);
-      else
+      for (int c = sub; c < chunks; c += LANES_PER_TOKEN) {
+        float ka[CN], kb[CN];
+        if (va) load_chunk<D>(kpa + c * CN, ka);
+        else
 #pragma unroll
-        for (int e = 0; e < CN; ++e) ka[e] = 0.f;
-      if (vb) load_chunk<D>(kpb + c * CN, kb);
-      else
+          for (int e = 0; e < CN; ++e) ka[e] = 0.f;
+        if (vb) load_chunk<D>(kpb + c * CN, kb);
+        else
 #pragma unroll
-        for (int e = 0; e < CN; ++e) kb[e] = 0.f;
+          for (int e = 0; e < CN; ++e) kb[e] = 0.f;
+#pragma unroll
+        for (int g = 0; g < MAX_G; ++g) {
+          if (g < G) {
+            const float* qg = q_s + g * head_dim + c * CN;
+#pragma unroll
+            for (int e = 0; e < CN; ++e) {
+              da[g] += qg[e] * ka[e];
+              db[g] += qg[e] * kb[e];
+            }
+          }
+        }
+      }
 #pragma unroll
       for (int g = 0; g < MAX_G; ++g) {
-        if (g < G) {
-          const float* qg = q_s + g * head_dim + c * CN;
-#pragma unroll
-          for (int e = 0; e < CN; ++e) {
-            da[g] += qg[e] * ka[e];
-            db[g] += qg[e] * kb[e];
+        if (g < G) {                               // G is block-uniform: every lane shuffles
+          float x = da[g], y = db[g];
+          x += __shfl_xor_sync(0xffffffffu, x, 1);
+          y += __shfl_xor_sync(0xffffffffu, y, 1);
+          x += __shfl_xor_sync(0xffffffffu, x, 2);
+          y += __shfl_xor_sync(0xffffffffu, y, 2);
+          if (sub == 0) {
+            if (va) scores[g * partition + ia] = x * scale;
+            if (vb) scores[g * partition + ib] = y * scale;
           }
         }
       }
     }
-#pragma unroll
-    for (int g = 0; g < MAX_G; ++g) {
-      if (g < G) {                               // G is block-uniform: every lane shuffles
-        float x = da[g], y = db[g];
-        x += __shfl_xor_sync(0xffffffffu, x, 1);
-        y += __shfl_xor_sync(0xffffffffu, y, 1);
-        x += __shfl_xor_sync(0xffffffffu, x, 2);
-        y += __shfl_xor_sync(0xffffffffu, y, 2);
-        if (sub == 0) {
-          if (va) scores[g * partition + ia] = x * scale;
-          if (vb) scores[g * partition + ib] = y * scale;
-        }
+    __syncthreads();
+
+    // softmax per query head, one warp per head
+    for (int g = warp; g < G; g += NUM_WARPS) {
+      float* sg = scores + g * partition;
+      float mx = NEG_INF;
+      for (int i = lane; i < n; i += 32) mx = fmaxf(mx, sg[i]);
+      mx = warp_max(mx);
+      float sum = 0.f;
+      for (int i = lane; i < n; i += 32) {
+        float p = __expf(sg[i] - mx);
+        sg[i] = p;
+        sum += p;
+      }
+      sum = warp_sum(sum);
+      if (lane == 0) {
+        stat[g] = mx;
+        stat[MAX_G + g] = sum;
       }
     }
-  }
-  __syncthreads();
+    __syncthreads();
 
-  // softmax per query head, one warp per head
-  for (int g = warp; g < G; g += NUM_WARPS) {
-    float* sg = scores + g * partition;
-    float mx = NEG_INF;
-    for (int i = lane; i < n; i += 32) mx = fmaxf(mx, sg[i]);
-    mx = warp_max(mx);
-    float sum = 0.f;
-    for (int i = lane; i < n; i += 32) {
-      float p = __expf(sg[i] - mx);
-      sg[i] = p;
-      sum += p;
-    }
-    sum = warp_sum(sum);
-    if (lane == 0) {
-      stat[g] = mx;
-      stat[MAX_G + g] = sum;
-    }
-  }
-  __syncthreads();
-
-  // PV: a row of V is `lanes` lanes' 16-byte chunks (a power of two ≤ 32 dividing the row's chunks; a lane
-  // takes `chunks / lanes` of them, one pass each), so a warp reads 32 / lanes rows at once, PV_UNROLL times
-  // over, and the next PV_UNROLL rows are loaded while these are multiplied (software pipelined). The rows'
-  // partial sums meet by shuffles, then the warps' in shared memory.
-  {
-    for (int cp = 0; cp < chunks / lanes; ++cp) {
-      const int dim0 = ((lane % lanes) + cp * lanes) * CN;
-      for (int g0 = 0; g0 < G; g0 += 4) {
-        float acc[4][CN];
-#pragma unroll
-        for (int a = 0; a < 4; ++a)
-#pragma unroll
-          for (int e = 0; e < CN; ++e) acc[a][e] = 0.f;
-        uint4 cur[PV_UNROLL];
-        if (cp == 0 && g0 == 0) {
-#pragma unroll
-          for (int u = 0; u < PV_UNROLL; ++u) cur[u] = pre[u];
-        } else {
-          load_v<D>(cur, v_cache, rows, first, row_step, n, dim0);
-        }
-        for (int base = first; base < n; base += PV_UNROLL * row_step) {
-          uint4 nxt[PV_UNROLL];
-          load_v<D>(nxt, v_cache, rows, base + PV_UNROLL * row_step, row_step, n, dim0);
-#pragma unroll
-          for (int u = 0; u < PV_UNROLL; ++u) {
-            const int i = base + u * row_step;
-            if (i < n) {
-              float vf[CN];
-              unpack<D>(cur[u], vf);
-#pragma unroll
-              for (int a = 0; a < 4; ++a) {
-                if (g0 + a < G) {
-                  const float p = scores[(g0 + a) * partition + i];
-#pragma unroll
-                  for (int e = 0; e < CN; ++e) acc[a][e] += p * vf[e];
-                }
-              }
-            }
-            cur[u] = nxt[u];
-          }
-        }
-#pragma unroll
-        for (int a = 0; a < 4; ++a)
-#pragma unroll
-          for (int e = 0; e < CN; ++e)
-            for (int off = lanes; off < 32; off <<= 1) acc[a][e] += __shfl_xor_sync(0xffffffffu, acc[a][e], off);
-        if (slot == 0) {
+    // PV: a row of V is `lanes` lanes' 16-byte chunks (a power of two ≤ 32 dividing the row's chunks; a lane
+    // takes `chunks / lanes` of them, one pass each), so a warp reads 32 / lanes rows at once, PV_UNROLL times
+    // over, and the next PV_UNROLL rows are loaded while these are multiplied (software pipelined). The rows'
+    // partial sums meet by shuffles, then the warps' in shared memory.
+    {
+      for (int cp = 0; cp < chunks / lanes; ++cp) {
+        const int dim0 = ((lane % lanes) + cp * lanes) * CN;
+        for (int g0 = 0; g0 < G; g0 += 4) {
+          float acc[4][CN];
 #pragma unroll
           for (int a = 0; a < 4; ++a)
-            if (g0 + a < G)
 #pragma unroll
-              for (int e = 0; e < CN; ++e) acc_s[(warp * G + g0 + a) * head_dim + dim0 + e] = acc[a][e];
+            for (int e = 0; e < CN; ++e) acc[a][e] = 0.f;
+          uint4 cur[PV_UNROLL];
+          if (cp == 0 && g0 == 0) {
+#pragma unroll
+            for (int u = 0; u < PV_UNROLL; ++u) cur[u] = pre[u];
+          } else {
+            load_v<D>(cur, v_cache, rows, first, row_step, n, dim0);
+          }
+          for (int base = first; base < n; base += PV_UNROLL * row_step) {
+            uint4 nxt[PV_UNROLL];
+            load_v<D>(nxt, v_cache, rows, base + PV_UNROLL * row_step, row_step, n, dim0);
+#pragma unroll
+            for (int u = 0; u < PV_UNROLL; ++u) {
+              const int i = base + u * row_step;
+              if (i < n) {
+                float vf[CN];
+                unpack<D>(cur[u], vf);
+#pragma unroll
+                for (int a = 0; a < 4; ++a) {
+                  if (g0 + a < G) {
+                    const float p = scores[(g0 + a) * partition + i];
+#pragma unroll
+                    for (int e = 0; e < CN; ++e) acc[a][e] += p * vf[e];
+                  }
+                }
+              }
+              cur[u] = nxt[u];
+            }
+          }
+#pragma unroll
+          for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int e = 0; e < CN; ++e)
+              for (int off = lanes; off < 32; off <<= 1) acc[a][e] += __shfl_xor_sync(0xffffffffu, acc[a][e], off);
+          if (slot == 0) {
+#pragma unroll
+            for (int a = 0; a < 4; ++a)
+              if (g0 + a < G)
+#pragma unroll
+                for (int e = 0; e < CN; ++e) acc_s[(warp * G + g0 + a) * head_dim + dim0 + e] = acc[a][e];
+          }
         }
       }
     }
-  }
-  __syncthreads();
-  for (int j = threadIdx.x; j < G * head_dim; j += NUM_THREADS) {
-    int g = j / head_dim, d = j % head_dim;
-    float total = 0.f;
+    __syncthreads();
+    for (int j = threadIdx.x; j < G * head_dim; j += NUM_THREADS) {
+      int g = j / head_dim, d = j % head_dim;
+      float total = 0.f;
 #pragma unroll
-    for (int w = 0; w < NUM_WARPS; ++w) total += acc_s[(w * G + g) * head_dim + d];
-    float l = stat[MAX_G + g];
-    if (num_splits == 1) {
-      out[((long long)seq * num_q_heads + kvh * G + g) * head_dim + d] = Cvt<D>::store(total / l);
-    } else {
-      part_out[(part_row + g * num_splits) * head_dim + d] = total / l;
-      if (d == 0) {
-        part_max[part_row + g * num_splits] = stat[g];
-        part_sum[part_row + g * num_splits] = l;
+      for (int w = 0; w < NUM_WARPS; ++w) total += acc_s[(w * G + g) * head_dim + d];
+      float l = stat[MAX_G + g];
+      if (num_splits == 1) {
+        out[((long long)seq * num_q_heads + kvh * G + g) * head_dim + d] = Cvt<D>::store(total / l);
+      } else {
+        part_out[(part_row + g * num_splits) * head_dim + d] = total / l;
+        if (d == 0) {
+          part_max[part_row + g * num_splits] = stat[g];
+          part_sum[part_row + g * num_splits] = l;
+        }
       }
     }
-  }
   } else if (threadIdx.x < G) {
     part_max[part_row + threadIdx.x * num_splits] = NEG_INF;
     part_sum[part_row + threadIdx.x * num_splits] = 0.f;
