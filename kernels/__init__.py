@@ -3,7 +3,9 @@
 This directory installs as `mii_async.kernels`. From a checkout's root, which is on sys.path under
 `python -m` and in the tests, it is also importable as a top-level `kernels`, the name of the Hub's
 `kernels` distribution, which transformers imports when it is installed (transformers ≥ 5.25 depends on
-it). Imported under that name, this file puts the distribution in its place (`_yield_top_level_name`).
+it). Imported under that name, this file puts the distribution in its place (`_yield_top_level_name`); where
+none is installed, the name stays this directory's, which has no `__version__`, so transformers' check finds
+no usable `kernels` (as it did before 5.25).
 
 `get_ops("reference")` returns the module of torch implementations, `get_ops("cuda")` the CuPy kernels
 (csrc/*.cu); every backend has the same signatures. `resolve_backend("auto", device)` is "cuda" on a CUDA
@@ -16,7 +18,7 @@ from types import ModuleType
 
 def _yield_top_level_name() -> None:
     """Loads the `kernels` package found on sys.path past this checkout and makes it sys.modules["kernels"]
-    (import returns what sys.modules holds once the file has run); ImportError if there is none."""
+    (import returns what sys.modules holds once the file has run); if there is none, this module keeps it."""
     import importlib.machinery
     import importlib.util
     import os
@@ -32,8 +34,6 @@ def _yield_top_level_name() -> None:
             sys.modules["kernels"] = module
             spec.loader.exec_module(module)
             return
-    del sys.modules["kernels"]
-    raise ImportError("no module named 'kernels' outside this checkout (here, this directory is mii_async.kernels)")
 
 
 if __name__ == "kernels":
