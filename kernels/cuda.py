@@ -3,7 +3,9 @@
 Kernels are compiled from csrc/*.cu by CuPy (NVRTC, `-arch=sm_90` on Hopper, the device's own arch
 elsewhere) once per process, and CuPy keeps the binaries in its on-disk cache (~/.cupy/kernel_cache), so
 later processes load them without compiling. Every launch goes on torch's current stream (an ExternalStream
-over its handle), so that kernels order with torch's own work and are captured by torch.cuda.CUDAGraph.
+over its handle), so that kernels order with torch's own work and are captured by torch.cuda.CUDAGraph; while
+a graph is captured on Hopper, through programmatic dependent launch (pdl.py), so that in a decode step's chain
+each kernel's start overlaps the previous one's tail.
 Prompt chunks go through torch's variable-length flash attention, all chunks of a step in one call per layer
 (`prefill_attention`); the standalone rotary and KV write, and decode shapes the kernel does not handle
 (`decode_supported`), run the torch reference on the GPU.
@@ -11,12 +13,14 @@ Prompt chunks go through torch's variable-length flash attention, all chunks of 
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
-from . import reference
+from . import pdl, reference
 from .metadata import AttentionMetadata
 
 CSRC = Path(__file__).parent / "csrc"
@@ -25,6 +29,7 @@ DECODE_THREADS = 128            # NUM_THREADS in paged_attention_decode.cu
 MAX_GQA = 16                    # MAX_G there: query heads per KV head
 PARTITIONS = (512, 256, 128, 64, 32)   # decode split lengths, in tokens, longest first
 RAGGED_PREFILL = True           # takes AttentionMetadata.prefill_groups (the runner builds them)
+PDL = os.environ.get("MII_ASYNC_PDL", "1") != "0"   # programmatic dependent launch in captured graphs (Hopper on)
 
 rotary_embedding = reference.rotary_embedding
 write_kv = reference.write_kv
@@ -56,6 +61,11 @@ def _sm_count() -> int:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
+@functools.cache
+def _pdl_capable(device: int) -> bool:
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def _ptr(t: torch.Tensor) -> np.uint64:
     return np.uint64(t.data_ptr())
 
@@ -66,6 +76,9 @@ def _launch(module: str, name: str, dtype: torch.dtype, grid: tuple, block: tupl
     if shared_mem > 48 * 1024:
         k.max_dynamic_shared_size_bytes = shared_mem
     stream = torch.cuda.current_stream()
+    if PDL and torch.cuda.is_current_stream_capturing() and _pdl_capable(stream.device_index):
+        pdl.launch(k.kernel.ptr, grid, block, args, shared_mem, stream.cuda_stream)
+        return
     with _stream(stream.cuda_stream, stream.device_index):
         k(grid, block, args, shared_mem=shared_mem)
 
@@ -127,6 +140,86 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         _launch("activation", "silu_and_mul", x.dtype, (min(-(-f // (threads * per_thread)), 64), t), (threads,),
                 (_ptr(x), _ptr(out), np.int32(f), np.int64(stride), np.int32(vec)))
     return out
+
+
+GEMV_MAX_M = 2                  # rows up to which the projections take gemv.cu (the decode of a few sequences;
+                                # at 3 and 4 rows cuBLAS was as fast or faster on the H200)
+GEMV_WARPS = 8                  # warps per block there (GEMV_WARPS in gemv.cu)
+GEMV_BLOCKS_PER_SM = 2
+GEMV_SMEM = 160 << 10           # xin [M, K] is staged in shared memory
+
+
+def _aligned(*tensors: torch.Tensor | None) -> bool:
+    return all(t is None or (t.is_contiguous() and t.data_ptr() % 16 == 0) for t in tensors)
+
+
+def _gemv_ok(x: torch.Tensor, weight: torch.Tensor, k: int, *others: torch.Tensor | None) -> bool:
+    """Whether gemv.cu takes x [M, ·] · weight [N, k]ᵀ: 16-bit types, M ≤ GEMV_MAX_M, k a whole number of
+    16-byte chunks, 16-byte aligned rows."""
+    m = x.shape[0]
+    return (x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and 1 <= m <= GEMV_MAX_M
+            and weight.dim() == 2 and weight.shape[1] == k and k % 8 == 0 and m * k * 2 <= GEMV_SMEM
+            and x.stride(-1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 and _aligned(weight)
+            and all(t is None or t.dtype == x.dtype for t in others) and _aligned(*others))
+
+
+def _gemv(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+          out_dtype: torch.dtype | None = None, residual: torch.Tensor | None = None,
+          norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    m = x.shape[0]
+    n, k = weight.shape
+    outs = n // 2 if kind == "norm_silu" else n       # [gate | up] rows → silu(gate) * up
+    f32 = out_dtype == torch.float32
+    y = torch.empty((m, outs), dtype=torch.float32 if f32 else x.dtype, device=x.device)
+    res_out = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else None
+    # Every warp gets the same number of output rows (a remainder would leave a tail of single warps).
+    per_warp = -(-outs // (_sm_count() * GEMV_WARPS * GEMV_BLOCKS_PER_SM))
+    grid = -(-(-(-outs // per_warp)) // GEMV_WARPS)
+    null = np.uint64(0)
+    _launch("gemv", f"gemv_{kind}_m{m}", x.dtype, (grid,), (GEMV_WARPS * 32,),
+            (_ptr(x), np.int64(x.stride(0)), null if residual is None else _ptr(residual),
+             np.int64(0 if residual is None else residual.stride(0)), null if norm_weight is None else _ptr(norm_weight),
+             null if res_out is None else _ptr(res_out), _ptr(weight), null if bias is None else _ptr(bias), _ptr(y),
+             np.int64(outs), np.int32(f32), np.int32(n), np.int32(k), np.int32(per_warp), np.float32(eps)),
+            shared_mem=m * k * 2)
+    return y, res_out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if _gemv_ok(x, weight, x.shape[1], bias):
+        return _gemv("plain", x, weight, bias)[0]
+    return F.linear(x, weight, bias)
+
+
+def _norm_gemv_ok(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                  weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    return _gemv_ok(x, weight, x.shape[1], bias, norm_weight, residual) and (residual is None or residual.shape == x.shape)
+
+
+def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                        weight: torch.Tensor, bias: torch.Tensor | None = None,
+                        out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """As the reference. A few rows take one gemv.cu kernel: the norm is its prologue."""
+    if out_dtype in (None, x.dtype, torch.float32) and _norm_gemv_ok(x, residual, norm_weight, weight, bias):
+        y, res_out = _gemv("norm", x, weight, bias, out_dtype, residual, norm_weight, eps)
+        return y, x if res_out is None else res_out
+    if residual is None:
+        normed, residual = rms_norm(x, norm_weight, eps), x
+    else:
+        normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
+    y = F.linear(normed, weight, bias)
+    return (y if out_dtype is None else y.to(out_dtype)), residual
+
+
+def add_rms_norm_gate_up(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                         gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """As the reference. A few rows take one gemv.cu kernel: the norm is its prologue, SiLU-and-mul its
+    epilogue (a warp computes a gate row and its up row)."""
+    if gate_up.shape[0] % 2 == 0 and _norm_gemv_ok(x, residual, norm_weight, gate_up):
+        y, res_out = _gemv("norm_silu", x, gate_up, None, None, residual, norm_weight, eps)
+        return y, x if res_out is None else res_out
+    y, residual = add_rms_norm_linear(x, residual, norm_weight, eps, gate_up)
+    return silu_and_mul(y), residual
 
 
 def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

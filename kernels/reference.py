@@ -31,6 +31,32 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] · weight [N, K]ᵀ (+ bias [N]) → [T, N]."""
+    return F.linear(x, weight, bias)
+
+
+def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                        weight: torch.Tensor, bias: torch.Tensor | None = None,
+                        out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The projection after a norm: linear(fused_add_rms_norm(x, residual)) → (y [T, N], residual' [T, H]);
+    with residual None, linear(rms_norm(x)) and x is residual'. `out_dtype`: y cast to it."""
+    if residual is None:
+        normed, residual = rms_norm(x, norm_weight, eps), x
+    else:
+        normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
+    y = linear(normed, weight, bias)
+    return (y if out_dtype is None else y.to(out_dtype)), residual
+
+
+def add_rms_norm_gate_up(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                         gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MLP's input: silu_and_mul(add_rms_norm_linear(x, residual, …, gate_up)), gate_up [2F, H] →
+    (silu(gate) * up [T, F], residual' [T, H])."""
+    y, residual = add_rms_norm_linear(x, residual, norm_weight, eps, gate_up)
+    return silu_and_mul(y), residual
+
+
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half (GPT-NeoX / HF Llama) rotary embedding.

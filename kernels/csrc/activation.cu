@@ -14,6 +14,8 @@ template <typename D>
 __device__ void silu_and_mul_row(const typename D::T* gate, const typename D::T* up, typename D::T* out, int ffn,
                                  int vec) {
   typedef typename D::T T;
+  pdl_launch_dependents();
+  pdl_wait();
   const int step = gridDim.x * blockDim.x;
   const int first = blockIdx.x * blockDim.x + threadIdx.x;
   if (vec) {

@@ -71,4 +71,21 @@ __device__ __forceinline__ float block_sum(float v) {
   return v;
 }
 
+// Programmatic dependent launch (kernels/pdl.py): launched with it, a kernel may start before the one ahead of
+// it on the stream has finished. pdl_wait() blocks until that one is done and its writes are visible: a kernel
+// calls it before it reads anything an earlier kernel of the step wrote, and before its first global write.
+// Before it, only weights and the step's inputs (copied in ahead of the step's first kernel) may be read.
+// pdl_launch_dependents() lets the next kernel start as this one's blocks finish. Both are no-ops in a plain
+// launch.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 #define MII_FOR_DTYPES(MACRO) MACRO(f32, F32) MACRO(bf16, BF16) MACRO(f16, F16)

@@ -13,6 +13,8 @@ __device__ void rms_norm_row(const typename D::T* __restrict__ x, typename D::T*
   typedef typename D::T T;
   constexpr int V = 16 / sizeof(T);
   extern __shared__ float row[];           // [hidden] the summed row in fp32 (already rounded to D)
+  pdl_launch_dependents();
+  pdl_wait();
   float ss = 0.f;
   if (vec) {
     for (int i = threadIdx.x; i < hidden / V; i += blockDim.x) {

@@ -175,17 +175,20 @@ __device__ void decode_partition(const typename D::T* __restrict__ q, const type
   float* acc_s = (float*)(rows + partition);     // [NUM_WARPS, G, D] partial outputs
   const long long kv_stride = (long long)num_kv_heads * head_dim;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  pdl_launch_dependents();
 
-  // The queries and the rows of the whole partition (as far as the table reaches) are read while the context
-  // length is still in flight: a padded table entry is a valid block, and rows past the context are not read.
-  for (int j = threadIdx.x; j < G * head_dim; j += NUM_THREADS)
-    q_s[j] = Cvt<D>::load(q[((long long)seq * num_q_heads + kvh * G) * head_dim + j]);
+  // The rows of the whole partition (as far as the table reaches) are read while the context length is still
+  // in flight: a padded table entry is a valid block, and rows past the context are not read. Both are the
+  // step's inputs, so they are read before the previous kernel is waited for; the queries after.
   const int table_end = min(start + partition, max_blocks * block_size);
   for (int i = threadIdx.x; start + i < table_end; i += NUM_THREADS) {
     int t = start + i;
     long long block = block_tables[(long long)seq * max_blocks + t / block_size];
     rows[i] = (block * block_size + t % block_size) * kv_stride + (long long)kvh * head_dim;
   }
+  pdl_wait();
+  for (int j = threadIdx.x; j < G * head_dim; j += NUM_THREADS)
+    q_s[j] = Cvt<D>::load(q[((long long)seq * num_q_heads + kvh * G) * head_dim + j]);
   const int n = min(start + partition, ctx) - start;
   if (n > 0) {                                   // else an empty partition of a shorter sequence
     __syncthreads();

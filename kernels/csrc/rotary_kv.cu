@@ -22,8 +22,10 @@ __device__ __forceinline__ void rotate(const typename D::T* src, typename D::T* 
       int num_kv_heads, int head_dim, long long q_stride, long long k_stride, long long v_stride) {           \
     long long t = blockIdx.x;                                                                                  \
     int half = head_dim / 2;                                                                                   \
-    const float* cs = cos_sin + positions[t] * head_dim;                                                       \
+    pdl_launch_dependents();                                                                                   \
+    const float* cs = cos_sin + positions[t] * head_dim;     /* step inputs: read before the wait */          \
     long long slot = slot_mapping[t];                                                                          \
+    pdl_wait();                                                                                                \
     long long kv_row = slot * num_kv_heads * head_dim;                                                         \
     for (int j = threadIdx.x; j < num_q_heads * half; j += blockDim.x) {                                       \
       int h = j / half, i = j % half;                                                                          \

@@ -207,7 +207,7 @@ def mixed(engine, n: int = 1000) -> dict:
             "itl_ms_p50": pct(itl, 0.5), "itl_ms_p99": pct(itl, 0.99)}
 
 
-CATEGORIES = (("gemm", ("gemm", "cutlass", "xmma", "sm90", "cublas", "nvjet")), ("attention", ("paged_attention", "flash", "fmha", "attention")),
+CATEGORIES = (("gemm", ("gemm", "cutlass", "xmma", "sm90", "cublas", "nvjet", "gemv")), ("attention", ("paged_attention", "flash", "fmha", "attention")),
               ("norms", ("rms_norm",)), ("rotary+kv", ("rotary",)), ("silu", ("silu",)),
               ("sampling", ("argmax", "softmax", "sort", "topk", "exponential", "cumsum")))
 

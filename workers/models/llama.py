@@ -1,7 +1,8 @@
 """Llama / Mistral / Qwen2 on the op set: fused QKV and gate|up projections, paged attention.
 
 The weights are plain tensors (no nn.Module): the runner owns the step's inputs, the op set does the work,
-GEMMs go through torch (cuBLAS on GPU). Logits are computed only for the rows that are sampled.
+projections included (cuBLAS through torch; on CUDA, gemv.cu for a few rows, with the norm before a
+projection as its prologue and SiLU-and-mul as gate|up's epilogue). Logits are computed only for the rows that are sampled.
 """
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from types import ModuleType
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from mii_async.kernels.metadata import AttentionMetadata
@@ -112,27 +112,27 @@ class LlamaModel:
         h = self._embed(input_ids)                                           # [T, H]
         residual: torch.Tensor | None = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            if residual is None:
-                residual, x = h, ops.rms_norm(h, layer.input_norm, spec.rms_norm_eps)
-            else:
-                x, residual = ops.fused_add_rms_norm(h, residual, layer.input_norm, spec.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)                    # [T, (Hq + 2 Hkv) D]
+            # The norms ride on the projections after them, SiLU-and-mul on gate|up (at small batches, one
+            # kernel each).
+            qkv, residual = ops.add_rms_norm_linear(h, residual, layer.input_norm, spec.rms_norm_eps, layer.qkv,
+                                                    layer.qkv_bias)                  # [T, (Hq + 2 Hkv) D]
             q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
             q = ops.rotary_write_kv(positions, q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d),
                                     self.cos_sin, k_cache, v_cache, meta.slot_mapping)
             attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
-            h = F.linear(attn.reshape(t, hq * d), layer.o, layer.o_bias)
+            h = ops.linear(attn.reshape(t, hq * d), layer.o, layer.o_bias)
             if tp is not None:
                 tp.all_reduce(h)                                             # row-parallel o_proj
-            x, residual = ops.fused_add_rms_norm(h, residual, layer.post_norm, spec.rms_norm_eps)
-            h = F.linear(ops.silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
+            act, residual = ops.add_rms_norm_gate_up(h, residual, layer.post_norm, spec.rms_norm_eps, layer.gate_up)
+            h = ops.linear(act, layer.down)                                  # act = silu(gate) * up [T, F]
             if tp is not None:
                 tp.all_reduce(h)                                             # row-parallel down
-        h, _ = ops.fused_add_rms_norm(h[sample_rows], residual[sample_rows], self.norm, spec.rms_norm_eps)
-        logits = F.linear(h, self.lm_head)                                   # [S, V] (or [S, ceil(V/T)])
-        if tp is not None:
-            logits = tp.all_gather_last(logits)[:, :spec.vocab_size]         # vocab-parallel lm_head
-        return logits.float()
+        assert residual is not None
+        logits, _ = ops.add_rms_norm_linear(h[sample_rows], residual[sample_rows], self.norm, spec.rms_norm_eps,
+                                            self.lm_head, out_dtype=torch.float32 if tp is None else None)
+        if tp is not None:                                                   # [S, V] (or [S, ceil(V/T)])
+            logits = tp.all_gather_last(logits)[:, :spec.vocab_size].float()  # vocab-parallel lm_head
+        return logits
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.shard is None:
