@@ -35,6 +35,10 @@
 #ifndef PV_UNROLL
 #define PV_UNROLL 2
 #endif
+#ifndef QK_UNROLL                 // key chunks per lane and token loaded before their dot products
+#define QK_UNROLL 2
+#endif
+constexpr int kQkUnroll = QK_UNROLL;   // (#pragma unroll takes a constant, not a macro)
 
 // 16 bytes of a cache row: 8 elements of a 16-bit type, 4 of float. Loads keep them packed (4 registers)
 // until the arithmetic, so that more rows can be in flight.
@@ -216,7 +220,7 @@ __device__ void decode_partition(const typename D::T* __restrict__ q, const type
       float da[MAX_G], db[MAX_G];
 #pragma unroll
       for (int g = 0; g < MAX_G; ++g) da[g] = db[g] = 0.f;
-#pragma unroll 2
+#pragma unroll kQkUnroll
       for (int c = sub; c < chunks; c += LANES_PER_TOKEN) {
         float ka[CN], kb[CN];
         if (va) load_chunk<D>(kpa + c * CN, ka);
