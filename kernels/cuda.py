@@ -142,8 +142,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-GEMV_MAX_M = 2                  # rows up to which the projections take gemv.cu (the decode of a few sequences;
-                                # at 3 and 4 rows cuBLAS was as fast or faster on the H200)
+GEMV_MAX_M = 2                  # rows up to which the projections take gemv.cu (instantiated for 1 and 2; at 3
+                                # and 4 rows cuBLAS was as fast or faster on the H200)
 GEMV_WARPS = 8                  # warps per block there (GEMV_WARPS in gemv.cu)
 GEMV_BLOCKS_PER_SM = 2
 GEMV_SMEM = 160 << 10           # xin [M, K] is staged in shared memory
@@ -178,7 +178,8 @@ def _gemv(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     null = np.uint64(0)
     _launch("gemv", f"gemv_{kind}_m{m}", x.dtype, (grid,), (GEMV_WARPS * 32,),
             (_ptr(x), np.int64(x.stride(0)), null if residual is None else _ptr(residual),
-             np.int64(0 if residual is None else residual.stride(0)), null if norm_weight is None else _ptr(norm_weight),
+             np.int64(0 if residual is None else residual.stride(0)),
+             null if norm_weight is None else _ptr(norm_weight),
              null if res_out is None else _ptr(res_out), _ptr(weight), null if bias is None else _ptr(bias), _ptr(y),
              np.int64(outs), np.int32(f32), np.int32(n), np.int32(k), np.int32(per_warp), np.float32(eps)),
             shared_mem=m * k * 2)
@@ -193,7 +194,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _norm_gemv_ok(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                   weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    return _gemv_ok(x, weight, x.shape[1], bias, norm_weight, residual) and (residual is None or residual.shape == x.shape)
+    return (_gemv_ok(x, weight, x.shape[1], bias, norm_weight, residual)
+            and (residual is None or residual.shape == x.shape))
 
 
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

@@ -1,6 +1,7 @@
-// Skinny GEMMs: y [M, N] = xin [M, K] · W [N, K]ᵀ (+ bias) for M ≤ 4 rows (the decode of a few sequences),
-// where the time is reading W once. A prologue builds xin inside the same kernel, and an epilogue may finish
-// the MLP's input, so that a decode layer's norms and SiLU are not kernels of their own:
+// Skinny GEMMs: y [M, N] = xin [M, K] · W [N, K]ᵀ (+ bias) for M = 1 or 2 rows (the decode of one or two
+// sequences; GEMV_MAX_M in kernels/cuda.py), where the time is reading W once. A prologue builds xin inside
+// the same kernel, and an epilogue may finish the MLP's input, so that a decode layer's norms and SiLU are not
+// kernels of their own:
 //   PRO_NORM  xin = rms_norm(x + residual) (or of x alone), rounded as norms.cu rounds it; block 0 also writes
 //             the summed residual
 //   EPI_SILU  W is [gate | up] (N = 2F rows) and y [M, F] = silu(gate) * up, rounded as activation.cu rounds
@@ -81,7 +82,8 @@ __device__ __forceinline__ void load_group(uint4 (&r)[GEMV_UNROLL], const uint4*
 
 template <typename D, int M, int PRO, int EPI>
 __device__ void gemv(const typename D::T* __restrict__ x, long long x_stride, const typename D::T* __restrict__ res,
-                     long long res_stride, const typename D::T* __restrict__ norm_w, typename D::T* __restrict__ res_out,
+                     long long res_stride, const typename D::T* __restrict__ norm_w,
+                     typename D::T* __restrict__ res_out,
                      const typename D::T* __restrict__ w, const typename D::T* __restrict__ bias, void* __restrict__ y,
                      long long y_stride, int out_f32, int n, int k, int rows_per_warp, float eps) {
   typedef typename D::T T;
@@ -241,6 +243,6 @@ __device__ void gemv(const typename D::T* __restrict__ x, long long x_stride, co
   MII_GEMV_ONE(SUFFIX, D, M, PRO_NORM, EPI_NONE, norm)                                                         \
   MII_GEMV_ONE(SUFFIX, D, M, PRO_NORM, EPI_SILU, norm_silu)
 #define MII_GEMV(SUFFIX, D)                                                                                    \
-  MII_GEMV_M(SUFFIX, D, 1) MII_GEMV_M(SUFFIX, D, 2) MII_GEMV_M(SUFFIX, D, 3) MII_GEMV_M(SUFFIX, D, 4)
+  MII_GEMV_M(SUFFIX, D, 1) MII_GEMV_M(SUFFIX, D, 2)
 MII_GEMV(bf16, BF16)
 MII_GEMV(f16, F16)

@@ -2,7 +2,8 @@
 
 The weights are plain tensors (no nn.Module): the runner owns the step's inputs, the op set does the work,
 projections included (cuBLAS through torch; on CUDA, gemv.cu for a few rows, with the norm before a
-projection as its prologue and SiLU-and-mul as gate|up's epilogue). Logits are computed only for the rows that are sampled.
+projection as its prologue and SiLU-and-mul as gate|up's epilogue). Logits are computed only for the rows
+that are sampled.
 """
 from __future__ import annotations
 
