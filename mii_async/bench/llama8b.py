@@ -26,6 +26,8 @@ import torch
 
 import mii_async
 
+from .step_log import StepLog
+
 BANDWIDTH, FLOPS = 4.25e12, 782e12
 SHAPE = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
              num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
@@ -63,9 +65,10 @@ def prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(1000, 128000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def drain(engine, reqs: list[tuple[list[int], int]], start_id: int = 0) -> tuple[float, dict[int, list[float]]]:
+def drain(engine, reqs: list[tuple[list[int], int]], start_id: int = 0,
+          log: StepLog | None = None) -> tuple[float, dict[int, list[float]]]:
     """Submits every (prompt, output length) at once and steps until all finish; returns the wall time and
-    each request's token times (seconds from the start)."""
+    each request's token times (seconds from the start). With `log`, each step is timed there."""
     times: dict[int, list[float]] = {}
     for i, (p, n) in enumerate(reqs):
         engine.add_request(start_id + i, p, mii_async.SamplingParams(max_new_tokens=n, ignore_eos=True))
@@ -73,7 +76,7 @@ def drain(engine, reqs: list[tuple[list[int], int]], start_id: int = 0) -> tuple
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     while engine.has_work():
-        for out in engine.step():
+        for out in (engine.step() if log is None else log.step(engine.step)):
             times[out.req_id].append(time.perf_counter() - t0)
     return time.perf_counter() - t0, times
 
@@ -195,16 +198,18 @@ def offline(hf, engine, n: int = 1024, hf_n: int = 256) -> dict:
 
 
 def mixed(engine, n: int = 1000) -> dict:
-    """n requests, inputs in [64, 1024], outputs in [64, 512], all submitted at once."""
+    """n requests, inputs in [64, 1024], outputs in [64, 512], all submitted at once. `step_log`: the slowest
+    engine steps and the garbage collector's pauses (what the ITL tail is made of)."""
     rng = random.Random(5)
     reqs = [(p, rng.randint(64, 512)) for p in prompts(n, 64, 1024, 6)]
-    secs, times = drain(engine, reqs, 60_000)
+    with StepLog() as log:
+        secs, times = drain(engine, reqs, 60_000, log)
     ttft = sorted(t[0] for t in times.values())
     itl = sorted(b - a for t in times.values() for a, b in zip(t, t[1:]))
     pct = lambda xs, q: 1e3 * xs[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
     return {"output_tok_s": sum(len(t) for t in times.values()) / secs, "seconds": secs,
             "ttft_ms_p50": pct(ttft, 0.5), "ttft_ms_p99": pct(ttft, 0.99),
-            "itl_ms_p50": pct(itl, 0.5), "itl_ms_p99": pct(itl, 0.99)}
+            "itl_ms_p50": pct(itl, 0.5), "itl_ms_p99": pct(itl, 0.99), "step_log": log.summary()}
 
 
 CATEGORIES = (("gemm", ("gemm", "cutlass", "xmma", "sm90", "cublas", "nvjet", "gemv")), ("attention", ("paged_attention", "flash", "fmha", "attention")),
