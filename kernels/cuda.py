@@ -155,9 +155,10 @@ def _aligned(*tensors: torch.Tensor | None) -> bool:
 
 def _gemv_ok(x: torch.Tensor, weight: torch.Tensor, k: int, *others: torch.Tensor | None) -> bool:
     """Whether gemv.cu takes x [M, ·] · weight [N, k]ᵀ: 16-bit types, M ≤ GEMV_MAX_M, k a whole number of
-    16-byte chunks, 16-byte aligned rows."""
+    16-byte chunks, 16-byte aligned rows. The row count is checked first, so that a step of many rows pays one
+    comparison per projection."""
     m = x.shape[0]
-    return (x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and 1 <= m <= GEMV_MAX_M
+    return (1 <= m <= GEMV_MAX_M and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and weight.dim() == 2 and weight.shape[1] == k and k % 8 == 0 and m * k * 2 <= GEMV_SMEM
             and x.stride(-1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 and _aligned(weight)
             and all(t is None or t.dtype == x.dtype for t in others) and _aligned(*others))
