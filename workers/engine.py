@@ -6,6 +6,7 @@ is pure and may be called from any thread, before a request is handed over.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
 from pathlib import Path
@@ -121,6 +122,11 @@ class Engine:
         if tp is not None:
             self.async_scheduling = False   # the other ranks would need the device ids too: not yet
         self._inflight: _InFlight | None = None
+        # What exists now (the model, its modules, the tokenizer, the process's imports) lives as long as the
+        # engine: moved out of the collector's generations, so that a full collection during serving does not
+        # walk it (one took 284 ms, a whole step, in the H200 mixed load).
+        gc.collect()
+        gc.freeze()
 
     # -- requests ------------------------------------------------------------------------------------
     @property

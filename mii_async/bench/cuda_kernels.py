@@ -61,22 +61,28 @@ def main(argv: list[str] | None = None) -> None:
         floor = 3 * t * 14336 * es / BANDWIDTH * 1e6
         rows.append((f"silu_and_mul T={t}", timed(lambda: K.silu_and_mul(g)), timed(lambda: R.silu_and_mul(g)), floor))
     bs = 16
-    for s, ctx in ((1, 128), (1, 4096), (1, 32768), (16, 1024), (64, 1024), (256, 512)):
-        nb = -(-ctx // bs)
+    # (sequences, shortest, longest context): full contexts, then random ones over shuffled blocks (the
+    # mixed benchmark's decodes hold 64 … 1536 tokens)
+    cases = ((1, 128, 128), (1, 4096, 4096), (1, 32768, 32768), (16, 1024, 1024), (64, 1024, 1024),
+             (256, 512, 512), (128, 512, 1024), (256, 512, 1024), (256, 64, 1536))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for s, lo, hi in cases:
+        nb = -(-hi // bs)
         kc = torch.randn(s * nb + 1, bs, 8, 128, device="cuda", dtype=dt)
         vc = torch.randn_like(kc)
-        tables = torch.arange(s * nb, device="cuda").view(s, nb)
+        tables = torch.randperm(s * nb, device="cuda", generator=gen).view(s, nb)
+        lens = torch.randint(lo, hi + 1, (s,), device="cuda", generator=gen)
         q = torch.randn(s, 32, 128, device="cuda", dtype=dt)
-        meta = AttentionMetadata(torch.zeros(s, dtype=torch.int64, device="cuda"), tables,
-                                 torch.full((s,), ctx, device="cuda"), torch.arange(s + 1, device="cuda"), s, ctx,
-                                 [1] * s, [ctx] * s)
-        floor = 2 * s * ctx * 8 * 128 * es / BANDWIDTH * 1e6
+        meta = AttentionMetadata(torch.zeros(s, dtype=torch.int64, device="cuda"), tables, lens,
+                                 torch.arange(s + 1, device="cuda"), s, hi, [1] * s, lens.tolist())
+        floor = 2 * int(lens.sum()) * 8 * 128 * es / BANDWIDTH * 1e6
         ref_us = timed(lambda: R.paged_attention(q, kc, vc, meta, 0.088))
+        ctx = f"{lo}" if lo == hi else f"{lo}-{hi}"
         rows.append((f"decode attention S={s} ctx={ctx}", timed(lambda: K.paged_attention(q, kc, vc, meta, 0.088)),
                      ref_us, floor))
         for part in (128, 256, 512):
             rows.append((f"  partition {part}", timed(lambda: K.paged_attention_decode(
-                q, kc, vc, tables, meta.context_lens, ctx, 0.088, partition=part)), ref_us, floor))
+                q, kc, vc, tables, lens, hi, 0.088, partition=part)), ref_us, floor))
     print(f"{'op (' + a.dtype + ')':<36}{'cuda µs':>10}{'torch µs':>10}{'floor µs':>10}{'% of floor':>12}")
     for name, ours, ref, floor in rows:
         print(f"{name:<36}{ours:>10.1f}{ref:>10.1f}{floor:>10.2f}{100 * floor / ours:>11.0f}%")

@@ -202,14 +202,31 @@ def mixed(engine, n: int = 1000) -> dict:
     engine steps and the garbage collector's pauses (what the ITL tail is made of)."""
     rng = random.Random(5)
     reqs = [(p, rng.randint(64, 512)) for p in prompts(n, 64, 1024, 6)]
-    with StepLog() as log:
-        secs, times = drain(engine, reqs, 60_000, log)
+    sched, schedule = engine.scheduler, engine.scheduler.schedule
+
+    def logged():
+        plan = schedule()
+        d = plan.num_decodes
+        log.plan(d, plan.num_tokens, sum(s.start_pos + 1 for s in plan.seqs[:d]))
+        return plan
+
+    def allocator() -> dict[str, int]:
+        st = torch.cuda.memory_stats()
+        return {k: st.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_ooms")}
+
+    with StepLog(lag=int(engine.async_scheduling), counters=allocator) as log:
+        sched.schedule = logged
+        try:
+            secs, times = drain(engine, reqs, 60_000, log)
+        finally:
+            del sched.schedule
     ttft = sorted(t[0] for t in times.values())
     itl = sorted(b - a for t in times.values() for a, b in zip(t, t[1:]))
     pct = lambda xs, q: 1e3 * xs[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
     return {"output_tok_s": sum(len(t) for t in times.values()) / secs, "seconds": secs,
             "ttft_ms_p50": pct(ttft, 0.5), "ttft_ms_p99": pct(ttft, 0.99),
-            "itl_ms_p50": pct(itl, 0.5), "itl_ms_p99": pct(itl, 0.99), "step_log": log.summary()}
+            "itl_ms_p50": pct(itl, 0.5), "itl_ms_p99": pct(itl, 0.99),
+            "itl_over_60ms": sum(1 for x in itl if x > 0.06) / max(1, len(itl)), "step_log": log.summary()}
 
 
 CATEGORIES = (("gemm", ("gemm", "cutlass", "xmma", "sm90", "cublas", "nvjet", "gemv")), ("attention", ("paged_attention", "flash", "fmha", "attention")),
@@ -217,10 +234,10 @@ CATEGORIES = (("gemm", ("gemm", "cutlass", "xmma", "sm90", "cublas", "nvjet", "g
               ("sampling", ("argmax", "softmax", "sort", "topk", "exponential", "cumsum")))
 
 
-def _running(engine, batch: int, base: int) -> None:
-    """`batch` requests of 128-token prompts, stepped until every one has sampled twice: all `batch` decode
-    from then on (their outputs are long enough that none ends while profiled; `_clear` ends them)."""
-    for i, p in enumerate(prompts(batch, 128, 128, 7)):
+def _running(engine, batch: int, base: int, prompt_len: int = 128) -> None:
+    """`batch` requests of `prompt_len`-token prompts, stepped until every one has sampled twice: all `batch`
+    decode from then on (their outputs are long enough that none ends while profiled; `_clear` ends them)."""
+    for i, p in enumerate(prompts(batch, prompt_len, prompt_len, 7)):
         engine.add_request(base + i, p, mii_async.SamplingParams(max_new_tokens=1024, ignore_eos=True))
     while any(len(s.output_ids) - s.num_pending < 2 for s in engine.seqs.values()):
         engine.step()
@@ -286,17 +303,18 @@ def profile(engine, batch: int, steps: int = 8, prompt_len: int = 0) -> dict:
             "top_kernels": _top_kernels(prof, steps)}
 
 
-def graph_steps(engine, batch: int, steps: int = 16) -> dict:
+def graph_steps(engine, batch: int, steps: int = 16, prompt_len: int = 128) -> dict:
     """Decode steps replayed from graphs: wall per step, the graph's own GPU time (replays alone, CUDA events)
     and its kernels by category, and the host parts of a step timed one by one (with a sync before sampling,
-    so that it waits on nothing)."""
+    so that it waits on nothing). The contexts start at `prompt_len`; the replays are of the graph of the
+    context cap that holds them."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     g = engine.runner.graphs
     if g is None:
         return {}
-    _running(engine, batch, 80_000)
+    _running(engine, batch, 80_000, prompt_len)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -322,7 +340,7 @@ def graph_steps(engine, batch: int, steps: int = 16) -> dict:
         for k, a, b in zip(parts, t, t[1:]):
             parts[k] += 1e3 * (b - a) / steps
     b = next(x for x in g.buckets if x >= batch)
-    cap = g.caps[0]
+    cap = next(c for c in g.caps if c.cap >= prompt_len + 3 * steps + 2)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(steps):
@@ -336,7 +354,7 @@ def graph_steps(engine, batch: int, steps: int = 16) -> dict:
     _clear(engine)
     replay = start.elapsed_time(end) / steps
     cats = _categories(prof, 4)
-    return {"batch": batch, "wall_ms_per_step": 1e3 * wall, "graph_gpu_ms": replay,
+    return {"batch": batch, "prompt_len": prompt_len, "context_cap": cap.cap, "wall_ms_per_step": 1e3 * wall, "graph_gpu_ms": replay,
             "host_exposed_ms": 1e3 * wall - replay, "async_scheduling": engine.async_scheduling,
             **{f"{k}_ms": v for k, v in parts.items()},
             "graph_kernels": {f"{k}_ms": v for k, v in sorted(cats.items())}, "graph_top_kernels": _top_kernels(prof, 4)}
@@ -366,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
              "profile": lambda: {"bs1": profile(engine, 1), "bs256": profile(engine, 256),
                                  "mixed_128_decodes_1024_prompts": profile(engine, 128, prompt_len=1024),
                                  **{f"graphs_bs{b}": graph_steps(engine, b) for b in (1, 64, 256, 512)
+                                    if b <= engine.config.scheduler.max_num_seqs},
+                                 # the mixed load's pure-decode steps: ~200-256 decodes over ~700 tokens
+                                 **{f"graphs_bs{b}_ctx704": graph_steps(engine, b, prompt_len=704) for b in (192, 256)
                                     if b <= engine.config.scheduler.max_num_seqs}}}
     for name in parts:
         t0 = time.perf_counter()

@@ -1,17 +1,28 @@
-"""StepLog: the wall time of every engine step of a run, and the garbage collector's pauses in it, so that the
-slowest steps of a benchmark (its ITL tail) can be told apart: a long GPU step, or the host stalled by a
-collection."""
+"""StepLog: the wall time of every engine step of a run, the plan it ran, and the garbage collector's pauses in
+it, so that the slowest steps of a benchmark (its ITL tail) can be told apart: a long GPU step, or the host
+stalled by a collection; and so that a step's time can be read against what it computed (tokens, decodes, the
+decodes' context)."""
 from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+# Step sizes (scheduled tokens) by which `summary` groups the steps.
+TOKEN_BUCKETS = (0, 64, 256, 512, 1024, 1536, 2048)
 
 
 @dataclass
 class StepLog:
     steps: list[tuple[float, float, int]] = field(default_factory=list)   # (start s, seconds, outputs)
     pauses: list[tuple[float, float, int]] = field(default_factory=list)  # (start s, seconds, generation)
+    plans: list[tuple[int, int, int]] = field(default_factory=list)       # (decodes, tokens, decode context)
+    lag: int = 0                  # the plan a step's wall time waits on: 1 with async scheduling (the last one)
+    # counters read around every step (e.g. the CUDA allocator's retries and cudaMallocs): the slowest steps
+    # show what moved in them, the summary the totals over the run
+    counters: Callable[[], dict[str, int]] | None = None
+    moved: list[dict[str, int]] = field(default_factory=list)
     _t0: float = 0.0
     _gc_start: float = 0.0
 
@@ -32,23 +43,72 @@ class StepLog:
 
     def step(self, fn):
         """Runs one step `fn()` (a list of outputs), timed."""
+        before = self.counters() if self.counters else None
         a = time.perf_counter()
         outs = fn()
         self.steps.append((a - self._t0, time.perf_counter() - a, len(outs)))
+        if before is not None:
+            after = self.counters()
+            self.moved.append({k: after[k] - v for k, v in before.items() if after[k] != v})
         return outs
 
+    def plan(self, decodes: int, tokens: int, decode_context: int) -> None:
+        """Records the plan the current step launches (call it from the scheduler's `schedule`)."""
+        self.plans.append((decodes, tokens, decode_context))
+
+    def _plan_of(self, i: int) -> tuple[int, int, int] | None:
+        j = i - self.lag
+        return self.plans[j] if 0 <= j < len(self.plans) else None
+
     def summary(self, slowest: int = 10) -> dict:
-        """The slowest steps (ms, outputs, the GC pause ms inside each) and the collector's totals."""
+        """The slowest steps (ms, outputs, the GC pause ms inside each, and their plans when recorded), the
+        collector's totals, and with plans, the steps grouped by size: count, ms, decodes and their context."""
         def gc_in(start: float, secs: float) -> float:
             return sum(d for t, d, _ in self.pauses if start <= t < start + secs)
 
-        top = sorted(self.steps, key=lambda s: -s[1])[:slowest]
+        order = sorted(range(len(self.steps)), key=lambda i: -self.steps[i][1])[:slowest]
         ms = sorted(1e3 * d for _, d, _ in self.steps)
-        return {"steps": len(self.steps),
-                "step_ms_p50": ms[len(ms) // 2] if ms else 0.0,
-                "step_ms_p99": ms[min(len(ms) - 1, int(0.99 * len(ms)))] if ms else 0.0,
-                "slowest_steps": [{"at_s": round(t, 3), "ms": round(1e3 * d, 2), "outputs": n,
-                                   "gc_ms": round(1e3 * gc_in(t, d), 2)} for t, d, n in top],
-                "gc_pauses": len(self.pauses), "gc_ms_total": round(1e3 * sum(d for _, d, _ in self.pauses), 2),
-                "gc_ms_max": round(1e3 * max((d for _, d, _ in self.pauses), default=0.0), 2),
-                "gc_gen2_pauses": sum(1 for *_, g in self.pauses if g == 2)}
+        top = []
+        for i in order:
+            t, d, n = self.steps[i]
+            row = {"at_s": round(t, 3), "ms": round(1e3 * d, 2), "outputs": n, "gc_ms": round(1e3 * gc_in(t, d), 2)}
+            if (p := self._plan_of(i)) is not None:
+                row.update(decodes=p[0], tokens=p[1], decode_context=p[2])
+            if self.moved:
+                row["counters"] = self.moved[i]
+            top.append(row)
+        out = {"steps": len(self.steps),
+               "step_ms_p50": ms[len(ms) // 2] if ms else 0.0,
+               "step_ms_p99": ms[min(len(ms) - 1, int(0.99 * len(ms)))] if ms else 0.0,
+               "slowest_steps": top,
+               "gc_pauses": len(self.pauses), "gc_ms_total": round(1e3 * sum(d for _, d, _ in self.pauses), 2),
+               "gc_ms_max": round(1e3 * max((d for _, d, _ in self.pauses), default=0.0), 2),
+               "gc_gen2_pauses": sum(1 for *_, g in self.pauses if g == 2)}
+        if self.plans:
+            out["by_tokens"] = self._by_tokens()
+        if self.moved:
+            totals: dict[str, int] = {}
+            for m in self.moved:
+                for k, v in m.items():
+                    totals[k] = totals.get(k, 0) + v
+            out["counters_total"] = totals
+            out["steps_moving_counters"] = sum(1 for m in self.moved if m)
+        return out
+
+    def _by_tokens(self) -> list[dict]:
+        groups: dict[int, list[tuple[float, tuple[int, int, int]]]] = {}
+        for i, (_, d, _) in enumerate(self.steps):
+            if (p := self._plan_of(i)) is None:
+                continue
+            lo = max(b for b in TOKEN_BUCKETS if b <= p[1])
+            groups.setdefault(lo, []).append((d, p))
+        rows = []
+        for lo in sorted(groups):
+            g = groups[lo]
+            n = len(g)
+            rows.append({"tokens_from": lo, "steps": n, "ms_mean": round(1e3 * sum(d for d, _ in g) / n, 2),
+                         "seconds": round(sum(d for d, _ in g), 2),
+                         "tokens_mean": round(sum(p[1] for _, p in g) / n, 1),
+                         "decodes_mean": round(sum(p[0] for _, p in g) / n, 1),
+                         "decode_context_mean": round(sum(p[2] for _, p in g) / max(1, sum(p[0] for _, p in g)), 1)})
+        return rows

@@ -33,3 +33,40 @@ def test_slow_steps_and_gc_pauses_are_attributed():
     assert [st["ms"] for st in s["slowest_steps"]] == sorted((st["ms"] for st in s["slowest_steps"]), reverse=True)
     assert len(junk) == 200_000
     assert log._on_gc not in gc.callbacks
+
+
+def test_plans_group_steps_by_size_with_the_lag_of_async_scheduling():
+    log = StepLog(lag=1)
+    with log:
+        # a plan is recorded as its step is launched; with lag 1 a step's wall time is the previous plan's
+        for decodes, tokens, ctx, secs in ((0, 700, 0, 0.0), (4, 600, 400, 0.03), (8, 8, 800, 0.02), (8, 8, 900, 0.0)):
+            log.plan(decodes, tokens, ctx)
+            log.step(lambda secs=secs: time.sleep(secs) or [0])
+    s = log.summary(slowest=4)
+    rows = {r["tokens_from"]: r for r in s["by_tokens"]}
+    assert sorted(rows) == [0, 512]                   # step 0 has no earlier plan: left out
+    assert rows[512]["steps"] == 2 and rows[512]["tokens_mean"] == 650.0 and rows[512]["decodes_mean"] == 2.0
+    assert rows[512]["decode_context_mean"] == 100.0  # 400 context over 4 decodes
+    assert rows[512]["ms_mean"] >= 15                 # the 30 ms step ran the 700-token plan
+    assert rows[0]["steps"] == 1 and rows[0]["decodes_mean"] == 8.0 and rows[0]["ms_mean"] < 15
+    slowest = s["slowest_steps"][0]
+    assert slowest["ms"] >= 30 and slowest["tokens"] == 700 and slowest["decodes"] == 0
+    assert "by_tokens" not in StepLog().summary()
+
+
+def test_counters_moved_in_a_step_are_shown_with_it():
+    n = {"retries": 0, "mallocs": 0}
+    log = StepLog(counters=lambda: dict(n))
+
+    def slow():
+        n["retries"] += 1
+        time.sleep(0.02)
+        return [0]
+
+    with log:
+        log.step(lambda: [0])
+        log.step(slow)
+        log.step(lambda: n.__setitem__("mallocs", 3) or [0])
+    s = log.summary(slowest=1)
+    assert s["slowest_steps"][0]["counters"] == {"retries": 1}
+    assert s["counters_total"] == {"retries": 1, "mallocs": 3} and s["steps_moving_counters"] == 2
