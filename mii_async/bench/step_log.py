@@ -86,6 +86,7 @@ class StepLog:
                "gc_gen2_pauses": sum(1 for *_, g in self.pauses if g == 2)}
         if self.plans:
             out["by_tokens"] = self._by_tokens()
+            out["timeline"] = self._timeline()
         if self.moved:
             totals: dict[str, int] = {}
             for m in self.moved:
@@ -94,6 +95,20 @@ class StepLog:
             out["counters_total"] = totals
             out["steps_moving_counters"] = sum(1 for m in self.moved if m)
         return out
+
+    def _timeline(self, window: float = 1.0) -> list[list[float]]:
+        """Per `window` seconds of the run: [start s, steps, step ms mean, decodes mean, tokens mean]."""
+        rows: dict[int, list[float]] = {}
+        for i, (t, d, _) in enumerate(self.steps):
+            if (p := self._plan_of(i)) is None:
+                continue
+            r = rows.setdefault(int(t // window), [0, 0.0, 0, 0])
+            r[0] += 1
+            r[1] += d
+            r[2] += p[0]
+            r[3] += p[1]
+        return [[k * window, n, round(1e3 * d / n, 2), round(dec / n, 1), round(tok / n, 1)]
+                for k, (n, d, dec, tok) in sorted(rows.items())]
 
     def _by_tokens(self) -> list[dict]:
         groups: dict[int, list[tuple[float, tuple[int, int, int]]]] = {}

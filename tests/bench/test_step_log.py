@@ -52,6 +52,8 @@ def test_plans_group_steps_by_size_with_the_lag_of_async_scheduling():
     slowest = s["slowest_steps"][0]
     assert slowest["ms"] >= 30 and slowest["tokens"] == 700 and slowest["decodes"] == 0
     assert "by_tokens" not in StepLog().summary()
+    (w0, steps, ms, decodes, tokens), = s["timeline"]      # all in the first second; step 0 has no plan
+    assert w0 == 0.0 and steps == 3 and ms >= 15 and decodes == 4.0 and tokens == round(1308 / 3, 1)
 
 
 def test_counters_moved_in_a_step_are_shown_with_it():
