@@ -30,6 +30,11 @@ MAX_GQA = 16                    # MAX_G there: query heads per KV head
 PARTITIONS = (512, 256, 128, 64, 32)   # decode split lengths, in tokens, longest first
 RAGGED_PREFILL = True           # takes AttentionMetadata.prefill_groups (the runner builds them)
 PDL = os.environ.get("MII_ASYNC_PDL", "1") != "0"   # programmatic dependent launch in captured graphs (Hopper on)
+# Decode attention: "stream" (paged_attention_stream.cu, one pass; head dim 128, G <= 4, 16-bit types, sm_80
+# on) or "split" (paged_attention_decode.cu, every shape). "stream" falls back to "split" where it does not apply.
+DECODE_KERNEL = os.environ.get("MII_ASYNC_DECODE", "stream")
+STREAM_STAGES = 4               # STAGES in paged_attention_stream.cu
+STREAM_RING_BYTES = 4 * STREAM_STAGES * 4 * 2 * 128 * 2   # its warps' rings: warps × stages × rows × (K, V) × D × 2 B
 
 rotary_embedding = reference.rotary_embedding
 write_kv = reference.write_kv
@@ -269,9 +274,10 @@ def decode_supported(num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int,
                            scale: float, out: torch.Tensor | None = None,
-                           partition: int | None = None) -> torch.Tensor:
+                           partition: int | None = None, kernel: str | None = None) -> torch.Tensor:
     """Decode attention: q [S, Hq, D] (one token per sequence) over each sequence's cached keys →
-    [S, Hq, D]. block_tables [S, max_blocks] and context_lens [S] int64 on the GPU."""
+    [S, Hq, D]. block_tables [S, max_blocks] and context_lens [S] int64 on the GPU. `kernel`: "stream" or
+    "split" (default DECODE_KERNEL); "stream" takes the split kernel where it does not apply."""
     s, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     g = hq // hkv
@@ -295,12 +301,33 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_out = part_max = part_sum = out                   # unused with one split
     bt = block_tables.contiguous()
     cl = context_lens.contiguous()
+    if kernel is None:
+        kernel = DECODE_KERNEL
+    if kernel == "stream" and _stream_ok(q, hkv):
+        _launch("paged_attention_stream", "paged_attention_stream", q.dtype, (s, hkv, splits), (DECODE_THREADS,),
+                (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(bt), _ptr(cl), _ptr(out), _ptr(part_out),
+                 _ptr(part_max), _ptr(part_sum), _ptr(_split_counters(s * hkv, q.device)), np.int32(hq),
+                 np.int32(hkv), np.int32(bs), np.int32(bt.shape[1]), np.int32(partition), np.float32(scale)),
+                shared_mem=STREAM_RING_BYTES + 8 * (partition // bs + 2))
+        return out
     gbound = next(b for b in (4, 8, MAX_GQA) if g <= b)       # the kernel sized for this GQA ratio
     _launch("paged_attention_decode", f"paged_attention_decode_g{gbound}", q.dtype, (s, hkv, splits), (DECODE_THREADS,),
             (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(bt), _ptr(cl), _ptr(out), _ptr(part_out), _ptr(part_max),
              _ptr(part_sum), _ptr(_split_counters(s * hkv, q.device)), np.int32(hq), np.int32(hkv), np.int32(d),
              np.int32(bs), np.int32(bt.shape[1]), np.int32(partition), np.float32(scale)), shared_mem=smem)
     return out
+
+
+def _stream_ok(q: torch.Tensor, num_kv_heads: int) -> bool:
+    """Shapes paged_attention_stream.cu takes: head dim 128, at most 4 query heads per KV head, bf16 / fp16,
+    16-byte aligned rows, and cp.async (sm_80 on)."""
+    return (q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] == 128 and q.shape[1] // num_kv_heads <= 4
+            and q.data_ptr() % 16 == 0 and _cp_async_capable(q.device.index))
+
+
+@functools.cache
+def _cp_async_capable(device: int | None) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
