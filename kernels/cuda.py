@@ -30,9 +30,12 @@ MAX_GQA = 16                    # MAX_G there: query heads per KV head
 PARTITIONS = (512, 256, 128, 64, 32)   # decode split lengths, in tokens, longest first
 RAGGED_PREFILL = True           # takes AttentionMetadata.prefill_groups (the runner builds them)
 PDL = os.environ.get("MII_ASYNC_PDL", "1") != "0"   # programmatic dependent launch in captured graphs (Hopper on)
-# Decode attention: "stream" (paged_attention_stream.cu, one pass; head dim 128, G <= 4, 16-bit types, sm_80
-# on) or "split" (paged_attention_decode.cu, every shape). "stream" falls back to "split" where it does not apply.
-DECODE_KERNEL = os.environ.get("MII_ASYNC_DECODE", "stream")
+# Decode attention: "mma" (paged_attention_mma.cu, tensor cores; head dim 128, G <= 16, 16-bit types, sm_80
+# on), "stream" (paged_attention_stream.cu, one scalar pass; head dim 128, G <= 4, 16-bit, sm_80 on) or "split"
+# (paged_attention_decode.cu, every shape). The first two take the split kernel where they do not apply.
+DECODE_KERNEL = os.environ.get("MII_ASYNC_DECODE", "mma")
+MMA_STAGES = 2                  # STAGES in paged_attention_mma.cu
+MMA_RING_BYTES = 4 * MMA_STAGES * 2 * 16 * 128 * 2        # its warps' rings: warps × stages × (K, V) × tile × D × 2 B
 STREAM_STAGES = 4               # STAGES in paged_attention_stream.cu
 STREAM_RING_BYTES = 4 * STREAM_STAGES * 4 * 2 * 128 * 2   # its warps' rings: warps × stages × rows × (K, V) × D × 2 B
 
@@ -276,8 +279,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scale: float, out: torch.Tensor | None = None,
                            partition: int | None = None, kernel: str | None = None) -> torch.Tensor:
     """Decode attention: q [S, Hq, D] (one token per sequence) over each sequence's cached keys →
-    [S, Hq, D]. block_tables [S, max_blocks] and context_lens [S] int64 on the GPU. `kernel`: "stream" or
-    "split" (default DECODE_KERNEL); "stream" takes the split kernel where it does not apply."""
+    [S, Hq, D]. block_tables [S, max_blocks] and context_lens [S] int64 on the GPU. `kernel`: "mma", "stream"
+    or "split" (default DECODE_KERNEL); each takes the next where it does not apply."""
     s, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     g = hq // hkv
@@ -303,7 +306,14 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     cl = context_lens.contiguous()
     if kernel is None:
         kernel = DECODE_KERNEL
-    if kernel == "stream" and _stream_ok(q, hkv):
+    if kernel == "mma" and _mma_ok(q, hkv):
+        _launch("paged_attention_mma", "paged_attention_mma", q.dtype, (s, hkv, splits), (DECODE_THREADS,),
+                (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(bt), _ptr(cl), _ptr(out), _ptr(part_out),
+                 _ptr(part_max), _ptr(part_sum), _ptr(_split_counters(s * hkv, q.device)), np.int32(hq),
+                 np.int32(hkv), np.int32(bs), np.int32(bt.shape[1]), np.int32(partition), np.float32(scale)),
+                shared_mem=MMA_RING_BYTES + 8 * (partition // bs + 2))
+        return out
+    if kernel in ("stream", "mma") and _stream_ok(q, hkv):
         _launch("paged_attention_stream", "paged_attention_stream", q.dtype, (s, hkv, splits), (DECODE_THREADS,),
                 (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(bt), _ptr(cl), _ptr(out), _ptr(part_out),
                  _ptr(part_max), _ptr(part_sum), _ptr(_split_counters(s * hkv, q.device)), np.int32(hq),
@@ -316,6 +326,13 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
              _ptr(part_sum), _ptr(_split_counters(s * hkv, q.device)), np.int32(hq), np.int32(hkv), np.int32(d),
              np.int32(bs), np.int32(bt.shape[1]), np.int32(partition), np.float32(scale)), shared_mem=smem)
     return out
+
+
+def _mma_ok(q: torch.Tensor, num_kv_heads: int) -> bool:
+    """Shapes paged_attention_mma.cu takes: head dim 128, at most 16 query heads per KV head (an mma tile's
+    rows), bf16 / fp16, 16-byte aligned queries, and mma.sync / cp.async (sm_80 on)."""
+    return (q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] == 128 and q.shape[1] // num_kv_heads <= 16
+            and q.data_ptr() % 16 == 0 and _cp_async_capable(q.device.index))
 
 
 def _stream_ok(q: torch.Tensor, num_kv_heads: int) -> bool:

@@ -15,7 +15,9 @@
 #include "common.cuh"
 #include "decode_combine.cuh"
 
+#ifndef NUM_THREADS
 #define NUM_THREADS 128
+#endif
 #define NUM_WARPS (NUM_THREADS / 32)
 #ifndef STAGES                    // rounds of copies per warp, STAGES - 1 in flight while one is used
 #define STAGES 4
@@ -27,7 +29,9 @@
 #define MAX_G 4                   // query heads per KV head
 #define LPR (HD / 8)              // lanes per row: one 16-byte chunk each
 #define RW (32 / LPR)             // rows a warp reads at once
-#define RPS 2                     // rows per lane group per round
+#ifndef RPS                       // rows per lane group per round
+#define RPS 2
+#endif
 #define WROWS (RW * RPS)          // rows per warp per round
 #define ROUND (NUM_WARPS * WROWS) // tokens per round of the block
 #define LOG2E 1.4426950408889634f

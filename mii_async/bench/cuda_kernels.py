@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         ctx = f"{lo}" if lo == hi else f"{lo}-{hi}"
         rows.append((f"decode attention S={s} ctx={ctx}", timed(lambda: K.paged_attention(q, kc, vc, meta, 0.088)),
                      ref_us, floor))
-        for kern in ("split", "stream"):
+        for kern in ("split", "stream", "mma"):
             for part in (None, 128, 256, 512):
                 rows.append((f"  {kern} partition {part or 'auto'}", timed(lambda: K.paged_attention_decode(
                     q, kc, vc, tables, lens, hi, 0.088, partition=part, kernel=kern)), ref_us, floor))

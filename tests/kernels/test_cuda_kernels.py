@@ -129,14 +129,14 @@ DECODE_CASES = [  # (context lengths, Hq, Hkv, D, block size)
 ]
 
 
-DECODE_KERNELS = ["stream", "split"]   # stream: head dim 128, G <= 4, 16-bit (other cases: split's answer)
+DECODE_KERNELS = ["mma", "stream", "split"]   # mma: head dim 128, G <= 16; stream: G <= 4; 16-bit (else split)
 
 
 @pytest.mark.parametrize("kernel", DECODE_KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", range(len(DECODE_CASES)))
 def test_paged_attention_decode(dtype, case, kernel, monkeypatch):
-    """Both decode kernels (one-pass streamed, split two-phase; flash-decoding splits) vs the reference:
+    """The decode kernels (tensor-core, one-pass streamed, split two-phase; flash-decoding splits) vs the reference:
     contexts 1 … 32k, partition edges, GQA ratios 1 … 16, head dims 64 … 256, block sizes 16 and 32, ragged
     batches."""
     monkeypatch.setattr(K, "DECODE_KERNEL", kernel)
@@ -154,7 +154,7 @@ def test_paged_attention_decode(dtype, case, kernel, monkeypatch):
 @pytest.mark.parametrize("partition", K.PARTITIONS)
 def test_paged_attention_decode_every_partition(partition, kernel):
     """Each split length the adaptive choice may take gives the reference's answer (contexts shorter and
-    longer than it, one that ends on its edge), in both kernels."""
+    longer than it, one that ends on its edge), in every kernel."""
     clens = [1, partition, partition + 1, 3 * partition + 5, 1000]
     kc, vc, tables = _paged(clens, 8, 128, 16, torch.bfloat16, seed=partition)
     q = torch.randn(len(clens), 32, 128, device="cuda").to(torch.bfloat16)
@@ -167,22 +167,24 @@ def test_paged_attention_decode_every_partition(partition, kernel):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("g", [1, 2, 3, 4])
-def test_streamed_decode_matches_the_split_kernel(dtype, g):
-    """The streamed kernel (every GQA ratio it takes, both 16-bit types, block sizes 16 and 32, contexts
-    across its 16-token rounds and 4-round rings) gives the split kernel's answer and the reference's."""
+@pytest.mark.parametrize("g", [1, 2, 3, 4, 5, 7, 8, 12, 16])
+def test_one_pass_decode_kernels_match_the_split_kernel(dtype, g):
+    """The tensor-core kernel (every GQA ratio up to its 16 rows) and the streamed one (up to 4), both 16-bit
+    types, block sizes 16 and 32, contexts across their 16-token tiles and rings: the split kernel's answer
+    and the reference's."""
     clens = [1, 15, 16, 17, 63, 64, 65, 200, 511, 777, 2049, 5000]
     for bs in (16, 32):
         kc, vc, tables = _paged(clens, 4, 128, bs, dtype, seed=10 * g + bs)
         q = torch.randn(len(clens), 4 * g, 128, device="cuda").to(dtype)
         meta = _meta([1] * len(clens), clens, tables)
         ref = R.paged_attention(q.float(), kc.float(), vc.float(), meta, 128 ** -0.5)
-        poison()
-        a = K.paged_attention_decode(q, kc, vc, meta.block_tables, meta.context_lens, max(clens), 128 ** -0.5,
-                                     kernel="stream")
-        b = K.paged_attention_decode(q, kc, vc, meta.block_tables, meta.context_lens, max(clens), 128 ** -0.5,
-                                     kernel="split")
-        assert rel(a, ref) < TOL[dtype] and rel(a, b) < TOL[dtype], (g, bs)
+        split = K.paged_attention_decode(q, kc, vc, meta.block_tables, meta.context_lens, max(clens), 128 ** -0.5,
+                                         kernel="split")
+        for kernel in ("mma", "stream") if g <= 4 else ("mma",):
+            poison()
+            out = K.paged_attention_decode(q, kc, vc, meta.block_tables, meta.context_lens, max(clens),
+                                           128 ** -0.5, kernel=kernel)
+            assert rel(out, ref) < TOL[dtype] and rel(out, split) < TOL[dtype], (kernel, g, bs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,0 +1,315 @@
+// Paged attention for decode on tensor cores: the contract of paged_attention_decode.cu (grid (num_seqs,
+// num_kv_heads, num_splits), the same split outputs and combine, decode_combine.cuh), for head dim 128 and up
+// to 16 query heads per KV head, in 16-bit types (sm_80 on).
+//
+// A KV head's G query heads are the 16 rows of an mma tile (rows past G are zeros), so that the products run
+// as m16n8k16 mma, as in a prefill kernel:
+//   S^T [16 heads x 16 tokens] = Q [16 x 128] . K^T    16 mma per tile of 16 tokens, Q held in registers;
+//   O   [16 heads x 128]      += P [16 x 16] . V        16 mma, P taken from S's accumulators in registers.
+// The scalar kernels spend ~4x as many instructions as bytes they read (dot products, shuffles for the
+// reductions), which made them issue bound under the GEMMs' power cap; here a tile of 8 KiB costs ~200.
+//
+//   - Each warp streams its own tiles of 16 tokens (tiles warp, warp + NUM_WARPS, ...): its next
+//     STAGES - 1 tiles are in flight as cp.async copies into its own shared-memory ring, rows swizzled
+//     (16-byte chunk c of token t at c ^ (t & 7)) so that ldmatrix reads them without bank conflicts. No
+//     block barrier until the end.
+//   - Online softmax per head row in exp2 units (the scale folded with log2 e); a row's 16 scores of a tile
+//     live in the 4 lanes of a quad, which reduce by two shuffles.
+//   - At the end the warps' states meet in shared memory, and the block writes the output (one split) or its
+//     partition for the last split to combine.
+#include "common.cuh"
+#include "decode_combine.cuh"
+
+#define NUM_THREADS 128
+#define NUM_WARPS (NUM_THREADS / 32)
+#ifndef STAGES                    // tiles in a warp's ring, STAGES - 1 in flight while one is used
+#define STAGES 2
+#endif
+#ifndef MIN_BLOCKS                // resident blocks per SM the register budget must allow
+#define MIN_BLOCKS 3
+#endif
+#define HD 128                    // head dim
+#define MAX_G 16                  // query heads per KV head: an mma tile's rows
+#define TILE 16                   // tokens per tile
+#define CHUNKS (HD / 8)           // 16-byte chunks per row
+#define TILE_BYTES (TILE * HD * 2)                 // a tile of K (or V) rows
+#define STAGE_BYTES (2 * TILE_BYTES)               // K then V
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  unsigned a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+// 16 bytes global → shared, asynchronously; `bytes` 0 writes zeros (a token past the context).
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned* r, unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// c += a . b for one m16n8k16 tile, fp32 accumulators; and two floats packed as the type's pair (lo first).
+template <typename D> struct Mma;
+template <> struct Mma<BF16> {
+  __device__ __forceinline__ static void run(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  __device__ __forceinline__ static unsigned pack(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+};
+template <> struct Mma<F16> {
+  __device__ __forceinline__ static void run(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  __device__ __forceinline__ static unsigned pack(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+};
+
+template <typename D>
+__device__ void mma_partition(const typename D::T* __restrict__ q, const typename D::T* __restrict__ k_cache,
+                              const typename D::T* __restrict__ v_cache, const long long* __restrict__ block_tables,
+                              const long long* __restrict__ context_lens, typename D::T* __restrict__ out,
+                              float* __restrict__ part_out, float* __restrict__ part_max, float* __restrict__ part_sum,
+                              int* __restrict__ counters, int num_q_heads, int num_kv_heads, int block_size,
+                              int max_blocks, int partition, float scale) {
+  typedef typename D::T T;
+  const int seq = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, num_splits = gridDim.z;
+  const int G = num_q_heads / num_kv_heads;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int quad_row = lane >> 2, quad_col = lane & 3;   // an mma fragment's row (head) and column pair
+  const int start = split * partition;
+  const long long part_row = ((long long)seq * num_q_heads + kvh * G) * num_splits + split;
+  // Shared memory: the warps' rings [NUM_WARPS][STAGES][K, V][TILE][HD] (swizzled), then the partition's block
+  // ids. After the stream the rings hold the warps' states instead.
+  extern __shared__ uint4 smem_u4[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>(smem_u4);
+  unsigned char* ring = smem + warp * (STAGES * STAGE_BYTES);
+  long long* blocks = reinterpret_cast<long long*>(smem + NUM_WARPS * STAGES * STAGE_BYTES);
+  pdl_launch_dependents();
+
+  // The partition's block ids (step inputs: read before the previous kernel is waited for).
+  const int ctx = (int)context_lens[seq];
+  const int b0 = start / block_size;
+  const int b_end = min(max_blocks, (start + partition + block_size - 1) / block_size);
+  for (int i = threadIdx.x; b0 + i < b_end; i += NUM_THREADS) blocks[i] = block_tables[(long long)seq * max_blocks + b0 + i];
+  const int n = min(start + partition, ctx) - start;
+  if (n <= 0) {                                  // an empty partition of a shorter sequence
+    pdl_wait();
+    if (threadIdx.x < G) {
+      part_max[part_row + threadIdx.x * num_splits] = NEG_INF;
+      part_sum[part_row + threadIdx.x * num_splits] = 0.f;
+    }
+    combine_if_last<D>(part_out, part_max, part_sum, out, counters, num_q_heads, HD, G);
+    return;
+  }
+  __syncthreads();
+  pdl_wait();                                    // the queries and this step's K/V rows were just written
+
+  const long long kv_stride = (long long)num_kv_heads * HD;
+  const int tiles = (n + TILE - 1) / TILE;
+  const int my_tiles = tiles > warp ? (tiles - warp + NUM_WARPS - 1) / NUM_WARPS : 0;
+  // Issues the copies of this warp's r-th tile into its ring slot: lane takes chunk (lane & 15) of tokens
+  // 2i + (lane >> 4), of K and V.
+  auto issue = [&](int r) {
+    unsigned char* slot = ring + (r % STAGES) * STAGE_BYTES;
+    const int base = (warp + r * NUM_WARPS) * TILE;
+    const int sub = lane & 15;
+#pragma unroll
+    for (int i = 0; i < TILE / 2; ++i) {
+      const int tok = 2 * i + (lane >> 4);
+      const int t = base + tok;
+      const bool valid = t < n;
+      const int pos = start + (valid ? t : 0);
+      const long long row = (blocks[pos / block_size - b0] * block_size + pos % block_size) * kv_stride + (long long)kvh * HD;
+      const unsigned dst = smem_u32(slot + tok * (HD * 2) + ((sub ^ (tok & 7)) << 4));
+      cp_async16(dst, k_cache + row + sub * 8, valid ? 16 : 0);
+      cp_async16(dst + TILE_BYTES, v_cache + row + sub * 8, valid ? 16 : 0);
+    }
+  };
+#pragma unroll
+  for (int r = 0; r < STAGES - 1; ++r) {
+    if (r < my_tiles) issue(r);
+    cp_async_commit();                           // (empty groups keep the count uniform)
+  }
+
+  // Q as mma A fragments, one per 16 dims: rows quad_row and quad_row + 8 (zero past G), column pairs
+  // 2 * quad_col (+ 8).
+  unsigned qa[HD / 16][4];
+  {
+    const unsigned* q32 = reinterpret_cast<const unsigned*>(q + ((long long)seq * num_q_heads + kvh * G) * HD);
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      const int c = kk * 8 + quad_col;           // in 32-bit words
+      qa[kk][0] = quad_row < G ? q32[quad_row * (HD / 2) + c] : 0u;
+      qa[kk][1] = quad_row + 8 < G ? q32[(quad_row + 8) * (HD / 2) + c] : 0u;
+      qa[kk][2] = quad_row < G ? q32[quad_row * (HD / 2) + c + 4] : 0u;
+      qa[kk][3] = quad_row + 8 < G ? q32[(quad_row + 8) * (HD / 2) + c + 4] : 0u;
+    }
+  }
+  const float qscale = scale * LOG2E;
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};   // rows quad_row, quad_row + 8; m in log2 units
+  float acc[HD / 8][4];                           // O: n-tile j's dims 8j + 2 quad_col (+1), both rows
+#pragma unroll
+  for (int j = 0; j < HD / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  // ldmatrix row addresses within a slot: lane i feeds row (i & 7) of matrix (i >> 3)
+  const int mat = lane >> 3, mrow = lane & 7;
+  const int k_tok = (mat >> 1) * 8 + mrow, k_par = mat & 1;   // K: matrices (tokens 0-7, 8-15) x (dims lo, hi)
+  const int v_tok = (mat & 1) * 8 + mrow, v_par = mat >> 1;   // V: matrices (dims lo, hi) x (tokens 0-7, 8-15)
+  const float minus_inf = __int_as_float(0xff800000);
+
+  for (int r = 0; r < my_tiles; ++r) {
+    if (r + STAGES - 1 < my_tiles) issue(r + STAGES - 1);
+    cp_async_commit();
+    cp_async_wait<STAGES - 1>();                 // this lane's copies of tile r have landed
+    __syncwarp();                                // and every lane's of the warp
+    const unsigned slot = smem_u32(ring + (r % STAGES) * STAGE_BYTES);
+    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};   // tokens 0-7, 8-15
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      unsigned kb[4];
+      ldmatrix_x4(kb, slot + k_tok * (HD * 2) + (((2 * kk + k_par) ^ mrow) << 4));
+      Mma<D>::run(s[0], qa[kk], kb[0], kb[1]);
+      Mma<D>::run(s[1], qa[kk], kb[2], kb[3]);
+    }
+    const int base = (warp + r * NUM_WARPS) * TILE;
+    float p[2][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {                // the two rows: accumulators 0-1 and 2-3
+      float mx = m[h];
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int t = base + half * 8 + 2 * quad_col + e;
+          float x = s[half][2 * h + e] * qscale;
+          x = t < n ? x : minus_inf;
+          s[half][2 * h + e] = x;
+          mx = fmaxf(mx, x);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float alpha = fast_exp2(m[h] - mx);
+      m[h] = mx;
+      float ps = 0.f;
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float pe = fast_exp2(s[half][2 * h + e] - mx);
+          p[half][2 * h + e] = pe;
+          ps += pe;
+        }
+      l[h] = l[h] * alpha + ps;                  // this lane's share; the quad sums at the end
+#pragma unroll
+      for (int j = 0; j < HD / 8; ++j) {
+        acc[j][2 * h] *= alpha;
+        acc[j][2 * h + 1] *= alpha;
+      }
+    }
+    // P as the A fragment of P . V: columns (tokens) 2 quad_col (+1) then + 8, rows quad_row (+ 8)
+    const unsigned pa[4] = {Mma<D>::pack(p[0][0], p[0][1]), Mma<D>::pack(p[0][2], p[0][3]),
+                            Mma<D>::pack(p[1][0], p[1][1]), Mma<D>::pack(p[1][2], p[1][3])};
+#pragma unroll
+    for (int c = 0; c < HD / 16; ++c) {
+      unsigned vb[4];
+      ldmatrix_x4_trans(vb, slot + TILE_BYTES + v_tok * (HD * 2) + (((2 * c + v_par) ^ mrow) << 4));
+      Mma<D>::run(acc[2 * c], pa, vb[0], vb[1]);
+      Mma<D>::run(acc[2 * c + 1], pa, vb[2], vb[3]);
+    }
+    __syncwarp();                                // the slot is read before a later tile's copies refill it
+  }
+  cp_async_wait<0>();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+  }
+  __syncthreads();                               // the rings are free: they take the warps' states
+
+  // States: acc [NUM_WARPS][MAX_G][HD], then m and l [NUM_WARPS][MAX_G] (natural-log units for m).
+  float* st_acc = reinterpret_cast<float*>(smem);
+  float* st_m = st_acc + NUM_WARPS * MAX_G * HD;
+  float* st_l = st_m + NUM_WARPS * MAX_G;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int g = quad_row + 8 * h;
+    if (g < G) {
+      float* dst = st_acc + (warp * MAX_G + g) * HD + 2 * quad_col;
+#pragma unroll
+      for (int j = 0; j < HD / 8; ++j) *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(acc[j][2 * h], acc[j][2 * h + 1]);
+      if (quad_col == 0) {
+        st_m[warp * MAX_G + g] = m[h] * LN2;
+        st_l[warp * MAX_G + g] = l[h];
+      }
+    }
+  }
+  __syncthreads();
+  for (int j = threadIdx.x; j < G * HD; j += NUM_THREADS) {
+    const int g = j / HD, d = j % HD;
+    float mx = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < NUM_WARPS; ++w) mx = fmaxf(mx, st_m[w * MAX_G + g]);
+    float total = 0.f, den = 0.f;
+#pragma unroll
+    for (int w = 0; w < NUM_WARPS; ++w) {
+      const float lw = st_l[w * MAX_G + g];
+      const float wt = lw > 0.f ? __expf(st_m[w * MAX_G + g] - mx) : 0.f;
+      den += wt * lw;
+      total += wt * st_acc[(w * MAX_G + g) * HD + d];
+    }
+    if (num_splits == 1) {
+      out[((long long)seq * num_q_heads + kvh * G + g) * HD + d] = Cvt<D>::store(total / den);
+    } else {
+      part_out[(part_row + g * num_splits) * HD + d] = total / den;
+      if (d == 0) {
+        part_max[part_row + g * num_splits] = mx;
+        part_sum[part_row + g * num_splits] = den;
+      }
+    }
+  }
+  if (num_splits > 1) combine_if_last<D>(part_out, part_max, part_sum, out, counters, num_q_heads, HD, G);
+}
+
+#define MII_MMA(SUFFIX, D)                                                                                     \
+  extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS) paged_attention_mma_##SUFFIX(        \
+      const D::T* q, const D::T* k_cache, const D::T* v_cache, const long long* block_tables,                \
+      const long long* context_lens, D::T* out, float* part_out, float* part_max, float* part_sum,           \
+      int* counters, int num_q_heads, int num_kv_heads, int block_size, int max_blocks, int partition,       \
+      float scale) {                                                                                           \
+    mma_partition<D>(q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_max, part_sum,     \
+                     counters, num_q_heads, num_kv_heads, block_size, max_blocks, partition, scale);          \
+  }
+MII_MMA(bf16, BF16)
+MII_MMA(f16, F16)
+
+// Shared memory a launch takes (kernels/cuda.py computes it): the rings, NUM_WARPS * STAGES * 8 KiB (64 KiB at
+// STAGES 2), which later hold the states (NUM_WARPS * MAX_G * (HD + 2) floats, 32.5 KiB), then 8 bytes per
+// block id of a partition.
