@@ -349,7 +349,8 @@ def _cp_async_capable(device: int | None) -> bool:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """As reference.paged_attention: decodes through the split kernel, prompt chunks through the reference."""
+    """As reference.paged_attention: decodes through paged_attention_decode (DECODE_KERNEL), prompt chunks
+    through the reference."""
     nd = meta.num_decodes
     q = q.contiguous()
     out = torch.empty_like(q)
