@@ -33,7 +33,10 @@ PDL = os.environ.get("MII_ASYNC_PDL", "1") != "0"   # programmatic dependent lau
 # Decode attention: "mma" (paged_attention_mma.cu, tensor cores; head dim 128, G <= 16, 16-bit types, sm_80
 # on), "stream" (paged_attention_stream.cu, one scalar pass; head dim 128, G <= 4, 16-bit, sm_80 on) or "split"
 # (paged_attention_decode.cu, every shape). The first two take the split kernel where they do not apply.
+DECODE_KERNELS = ("mma", "stream", "split")
 DECODE_KERNEL = os.environ.get("MII_ASYNC_DECODE", "mma")
+if DECODE_KERNEL not in DECODE_KERNELS:
+    raise ValueError(f"MII_ASYNC_DECODE must be one of {', '.join(DECODE_KERNELS)}, got {DECODE_KERNEL!r}")
 MMA_STAGES = 2                  # STAGES in paged_attention_mma.cu
 MMA_RING_BYTES = 4 * MMA_STAGES * 2 * 16 * 128 * 2        # its warps' rings: warps × stages × (K, V) × tile × D × 2 B
 STREAM_STAGES = 4               # STAGES in paged_attention_stream.cu
@@ -281,6 +284,10 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """Decode attention: q [S, Hq, D] (one token per sequence) over each sequence's cached keys →
     [S, Hq, D]. block_tables [S, max_blocks] and context_lens [S] int64 on the GPU. `kernel`: "mma", "stream"
     or "split" (default DECODE_KERNEL); each takes the next where it does not apply."""
+    if kernel is None:
+        kernel = DECODE_KERNEL
+    if kernel not in DECODE_KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(DECODE_KERNELS)}, got {kernel!r}")
     s, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     g = hq // hkv
@@ -304,8 +311,6 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_out = part_max = part_sum = out                   # unused with one split
     bt = block_tables.contiguous()
     cl = context_lens.contiguous()
-    if kernel is None:
-        kernel = DECODE_KERNEL
     if kernel == "mma" and _mma_ok(q, hkv):
         _launch("paged_attention_mma", "paged_attention_mma", q.dtype, (s, hkv, splits), (DECODE_THREADS,),
                 (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(bt), _ptr(cl), _ptr(out), _ptr(part_out),

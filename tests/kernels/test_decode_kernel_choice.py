@@ -1,0 +1,29 @@
+"""The decode kernel is chosen by name (MII_ASYNC_DECODE or `kernel=`); a wrong name is an error that says
+which setting it was, before any GPU work (so this runs on the CPU)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mii_async.kernels import cuda as K
+
+
+def test_an_unknown_kernel_argument_is_refused_by_name():
+    q = torch.zeros(1, 4, 128)
+    cache = torch.zeros(2, 16, 1, 128)
+    with pytest.raises(ValueError, match="kernel must be one of mma, stream, split"):
+        K.paged_attention_decode(q, cache, cache, torch.zeros(1, 1, dtype=torch.int64),
+                                 torch.ones(1, dtype=torch.int64), 1, 1.0, kernel="fast")
+
+
+def test_an_unknown_environment_choice_is_refused_by_name():
+    env = dict(os.environ, MII_ASYNC_DECODE="fast")
+    r = subprocess.run([sys.executable, "-c", "import mii_async.kernels.cuda"], env=env, capture_output=True, text=True)
+    assert r.returncode != 0 and "MII_ASYNC_DECODE must be one of mma, stream, split, got 'fast'" in r.stderr
+
+
+def test_the_default_is_the_tensor_core_kernel():
+    assert K.DECODE_KERNEL in K.DECODE_KERNELS
+    assert os.environ.get("MII_ASYNC_DECODE") or K.DECODE_KERNEL == "mma"
