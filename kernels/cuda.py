@@ -13,85 +13,20 @@ Prompt chunks go through torch's variable-length flash attention, all chunks of 
 from __future__ import annotations
 
 import functools
-import os
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import pdl, reference
+from . import reference
+from .decode_attention import decode_supported, paged_attention_decode  # noqa: F401 (the op set)
+from .launch import launch as _launch, ptr as _ptr, sm_count as _sm_count
 from .metadata import AttentionMetadata
 
-CSRC = Path(__file__).parent / "csrc"
-SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
-DECODE_THREADS = 128            # NUM_THREADS in paged_attention_decode.cu
-MAX_GQA = 16                    # MAX_G there: query heads per KV head
-PARTITIONS = (512, 256, 128, 64, 32)   # decode split lengths, in tokens, longest first
 RAGGED_PREFILL = True           # takes AttentionMetadata.prefill_groups (the runner builds them)
-PDL = os.environ.get("MII_ASYNC_PDL", "1") != "0"   # programmatic dependent launch in captured graphs (Hopper on)
-# Decode attention: "mma" (paged_attention_mma.cu, tensor cores; head dim 128, G <= 16, 16-bit types, sm_80
-# on), "stream" (paged_attention_stream.cu, one scalar pass; head dim 128, G <= 4, 16-bit, sm_80 on) or "split"
-# (paged_attention_decode.cu, every shape). The first two take the split kernel where they do not apply.
-DECODE_KERNELS = ("mma", "stream", "split")
-DECODE_KERNEL = os.environ.get("MII_ASYNC_DECODE", "mma")
-if DECODE_KERNEL not in DECODE_KERNELS:
-    raise ValueError(f"MII_ASYNC_DECODE must be one of {', '.join(DECODE_KERNELS)}, got {DECODE_KERNEL!r}")
-MMA_STAGES = 2                  # STAGES in paged_attention_mma.cu
-MMA_RING_BYTES = 4 * MMA_STAGES * 2 * 16 * 128 * 2        # its warps' rings: warps × stages × (K, V) × tile × D × 2 B
-STREAM_STAGES = 4               # STAGES in paged_attention_stream.cu
-STREAM_RING_BYTES = 4 * STREAM_STAGES * 4 * 2 * 128 * 2   # its warps' rings: warps × stages × rows × (K, V) × D × 2 B
 
 rotary_embedding = reference.rotary_embedding
 write_kv = reference.write_kv
-
-
-@functools.cache
-def _module(name: str):
-    import cupy as cp
-
-    major, minor = torch.cuda.get_device_capability()
-    arch = f"-arch=sm_{major}{minor}"
-    return cp.RawModule(code=(CSRC / f"{name}.cu").read_text(), options=("--std=c++17", f"-I{CSRC}", arch))
-
-
-@functools.cache
-def _kernel(module: str, name: str, dtype: torch.dtype):
-    return _module(module).get_function(f"{name}_{SUFFIX[dtype]}")
-
-
-@functools.cache
-def _stream(handle: int, device: int):
-    import cupy as cp
-
-    return cp.cuda.ExternalStream(handle, device)
-
-
-@functools.cache
-def _sm_count() -> int:
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-
-
-@functools.cache
-def _pdl_capable(device: int) -> bool:
-    return torch.cuda.get_device_capability(device) >= (9, 0)
-
-
-def _ptr(t: torch.Tensor) -> np.uint64:
-    return np.uint64(t.data_ptr())
-
-
-def _launch(module: str, name: str, dtype: torch.dtype, grid: tuple, block: tuple, args: tuple,
-            shared_mem: int = 0) -> None:
-    k = _kernel(module, name, dtype)
-    if shared_mem > 48 * 1024:
-        k.max_dynamic_shared_size_bytes = shared_mem
-    stream = torch.cuda.current_stream()
-    if PDL and torch.cuda.is_current_stream_capturing() and _pdl_capable(stream.device_index):
-        pdl.launch(k.kernel.ptr, grid, block, args, shared_mem, stream.cuda_stream)
-        return
-    with _stream(stream.cuda_stream, stream.device_index):
-        k(grid, block, args, shared_mem=shared_mem)
 
 
 def _rows(x: torch.Tensor) -> tuple[int, int]:
@@ -251,105 +186,6 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
                  _ptr(v_cache), _ptr(slot_mapping.contiguous()), np.int32(hq), np.int32(hkv), np.int32(d),
                  np.int64(q.stride(0)), np.int64(k.stride(0)), np.int64(v.stride(0))))
     return q_out
-
-
-_counters: dict[int, torch.Tensor] = {}
-_retired: list[torch.Tensor] = []
-
-
-def _split_counters(n: int, device: torch.device) -> torch.Tensor:
-    """The decode kernel's per-(sequence, KV head) split counters: zeroed once, and left at zero by every
-    launch (the last split resets its own), so no memset per call. A larger need gets a new buffer; the old one
-    is kept, since captured graphs hold its address."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    c = _counters.get(idx)
-    if c is None or c.numel() < n:
-        if c is not None:
-            _retired.append(c)
-        c = _counters[idx] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-    return c
-
-
-def decode_supported(num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Shapes the decode kernel handles: head dims 32 … 256 in steps of 32, up to MAX_GQA query heads per KV
-    head. (Others — the tests' tiny models have head dim 8 — take the reference.)"""
-    return (num_q_heads % num_kv_heads == 0 and num_q_heads // num_kv_heads <= MAX_GQA and head_dim % 32 == 0
-            and 32 <= head_dim <= 256)
-
-
-def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int,
-                           scale: float, out: torch.Tensor | None = None,
-                           partition: int | None = None, kernel: str | None = None) -> torch.Tensor:
-    """Decode attention: q [S, Hq, D] (one token per sequence) over each sequence's cached keys →
-    [S, Hq, D]. block_tables [S, max_blocks] and context_lens [S] int64 on the GPU. `kernel`: "mma", "stream"
-    or "split" (default DECODE_KERNEL); each takes the next where it does not apply."""
-    if kernel is None:
-        kernel = DECODE_KERNEL
-    if kernel not in DECODE_KERNELS:
-        raise ValueError(f"kernel must be one of {', '.join(DECODE_KERNELS)}, got {kernel!r}")
-    s, hq, d = q.shape
-    _, bs, hkv, _ = k_cache.shape
-    g = hq // hkv
-    assert decode_supported(hq, hkv, d), f"no decode kernel for Hq={hq}, Hkv={hkv}, D={d}"
-    assert q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
-    out = torch.empty_like(q) if out is None else out
-    if s == 0:
-        return out
-    if partition is None:
-        # Fill the GPU: the longest partition that still gives 2 blocks per SM. Small batches take short ones
-        # (down to 32 tokens): a block's PV loop walks its partition serially, so that is its latency.
-        partition = next((p for p in PARTITIONS if s * hkv * -(-max_context_len // p) >= 2 * _sm_count()),
-                         PARTITIONS[-1])
-    splits = max(1, -(-max_context_len // partition))
-    smem = 4 * (g * d + g * partition + 32) + 8 * partition + 4 * (DECODE_THREADS // 32) * g * d
-    if splits > 1:
-        part_out = torch.empty((s, hq, splits, d), dtype=torch.float32, device=q.device)
-        part_max = torch.empty((s, hq, splits), dtype=torch.float32, device=q.device)
-        part_sum = torch.empty((s, hq, splits), dtype=torch.float32, device=q.device)
-    else:
-        part_out = part_max = part_sum = out                   # unused with one split
-    bt = block_tables.contiguous()
-    cl = context_lens.contiguous()
-    if kernel == "mma" and _mma_ok(q, hkv):
-        _launch("paged_attention_mma", "paged_attention_mma", q.dtype, (s, hkv, splits), (DECODE_THREADS,),
-                (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(bt), _ptr(cl), _ptr(out), _ptr(part_out),
-                 _ptr(part_max), _ptr(part_sum), _ptr(_split_counters(s * hkv, q.device)), np.int32(hq),
-                 np.int32(hkv), np.int32(bs), np.int32(bt.shape[1]), np.int32(partition), np.float32(scale)),
-                shared_mem=MMA_RING_BYTES + 8 * (partition // bs + 2))
-        return out
-    if kernel in ("stream", "mma") and _stream_ok(q, hkv):
-        _launch("paged_attention_stream", "paged_attention_stream", q.dtype, (s, hkv, splits), (DECODE_THREADS,),
-                (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(bt), _ptr(cl), _ptr(out), _ptr(part_out),
-                 _ptr(part_max), _ptr(part_sum), _ptr(_split_counters(s * hkv, q.device)), np.int32(hq),
-                 np.int32(hkv), np.int32(bs), np.int32(bt.shape[1]), np.int32(partition), np.float32(scale)),
-                shared_mem=STREAM_RING_BYTES + 8 * (partition // bs + 2))
-        return out
-    gbound = next(b for b in (4, 8, MAX_GQA) if g <= b)       # the kernel sized for this GQA ratio
-    _launch("paged_attention_decode", f"paged_attention_decode_g{gbound}", q.dtype, (s, hkv, splits), (DECODE_THREADS,),
-            (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(bt), _ptr(cl), _ptr(out), _ptr(part_out), _ptr(part_max),
-             _ptr(part_sum), _ptr(_split_counters(s * hkv, q.device)), np.int32(hq), np.int32(hkv), np.int32(d),
-             np.int32(bs), np.int32(bt.shape[1]), np.int32(partition), np.float32(scale)), shared_mem=smem)
-    return out
-
-
-def _mma_ok(q: torch.Tensor, num_kv_heads: int) -> bool:
-    """Shapes paged_attention_mma.cu takes: head dim 128, at most 16 query heads per KV head (an mma tile's
-    rows), bf16 / fp16, 16-byte aligned queries, and mma.sync / cp.async (sm_80 on)."""
-    return (q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] == 128 and q.shape[1] // num_kv_heads <= 16
-            and q.data_ptr() % 16 == 0 and _cp_async_capable(q.device.index))
-
-
-def _stream_ok(q: torch.Tensor, num_kv_heads: int) -> bool:
-    """Shapes paged_attention_stream.cu takes: head dim 128, at most 4 query heads per KV head, bf16 / fp16,
-    16-byte aligned rows, and cp.async (sm_80 on)."""
-    return (q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] == 128 and q.shape[1] // num_kv_heads <= 4
-            and q.data_ptr() % 16 == 0 and _cp_async_capable(q.device.index))
-
-
-@functools.cache
-def _cp_async_capable(device: int | None) -> bool:
-    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
 cupy = pytest.importorskip("cupy")
 
 from mii_async.kernels import cuda as K  # noqa: E402
+from mii_async.kernels import decode_attention as DA  # noqa: E402
 from mii_async.kernels import reference as R  # noqa: E402
 from mii_async.kernels.metadata import AttentionMetadata  # noqa: E402
 
@@ -139,7 +140,7 @@ def test_paged_attention_decode(dtype, case, kernel, monkeypatch):
     """The decode kernels (tensor-core, one-pass streamed, split two-phase; flash-decoding splits) vs the reference:
     contexts 1 … 32k, partition edges, GQA ratios 1 … 16, head dims 64 … 256, block sizes 16 and 32, ragged
     batches."""
-    monkeypatch.setattr(K, "DECODE_KERNEL", kernel)
+    monkeypatch.setattr(DA, "DECODE_KERNEL", kernel)
     clens, hq, hkv, d, bs = DECODE_CASES[case]
     kc, vc, tables = _paged(clens, hkv, d, bs, dtype, seed=case)
     q = torch.randn(len(clens), hq, d, device="cuda").to(dtype)
@@ -151,7 +152,7 @@ def test_paged_attention_decode(dtype, case, kernel, monkeypatch):
 
 
 @pytest.mark.parametrize("kernel", DECODE_KERNELS)
-@pytest.mark.parametrize("partition", K.PARTITIONS)
+@pytest.mark.parametrize("partition", DA.PARTITIONS)
 def test_paged_attention_decode_every_partition(partition, kernel):
     """Each split length the adaptive choice may take gives the reference's answer (contexts shorter and
     longer than it, one that ends on its edge), in every kernel."""

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mii_async.kernels import cuda as K
+from mii_async.kernels import decode_attention as DA
 
 
 def test_an_unknown_kernel_argument_is_refused_by_name():
@@ -25,5 +26,5 @@ def test_an_unknown_environment_choice_is_refused_by_name():
 
 
 def test_the_default_is_the_tensor_core_kernel():
-    assert K.DECODE_KERNEL in K.DECODE_KERNELS
-    assert os.environ.get("MII_ASYNC_DECODE") or K.DECODE_KERNEL == "mma"
+    assert DA.DECODE_KERNEL in DA.DECODE_KERNELS
+    assert os.environ.get("MII_ASYNC_DECODE") or DA.DECODE_KERNEL == "mma"

@@ -1,0 +1,122 @@
+"""Decode attention on the GPU: one query token per sequence over its paged KV cache, in one of three CUDA
+kernels with one contract (grid (sequences, KV heads, splits of the context); the last split of a (sequence,
+KV head) combines the others in the same launch, csrc/decode_combine.cuh):
+  - mma (csrc/paged_attention_mma.cu): tensor cores, head dim 128, up to 16 query heads per KV head;
+  - stream (csrc/paged_attention_stream.cu): one scalar pass, head dim 128, up to 4;
+  - split (csrc/paged_attention_decode.cu): two phases, every shape decode_supported() admits.
+MII_ASYNC_DECODE (or `kernel=`) picks one; it takes the next where it does not apply."""
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+import torch
+
+from .launch import launch as _launch, ptr as _ptr, sm_count as _sm_count
+
+DECODE_THREADS = 128            # NUM_THREADS in paged_attention_decode.cu
+MAX_GQA = 16                    # MAX_G there: query heads per KV head
+PARTITIONS = (512, 256, 128, 64, 32)   # decode split lengths, in tokens, longest first
+DECODE_KERNELS = ("mma", "stream", "split")
+DECODE_KERNEL = os.environ.get("MII_ASYNC_DECODE", "mma")
+if DECODE_KERNEL not in DECODE_KERNELS:
+    raise ValueError(f"MII_ASYNC_DECODE must be one of {', '.join(DECODE_KERNELS)}, got {DECODE_KERNEL!r}")
+# The one-pass kernels' shared-memory rings, per block: 4 warps × STAGES (2 and 4 there) × rows a stage holds
+# (16 and 4) × (K, V) × head dim 128 × 2 bytes.
+RING_BYTES = {"mma": 4 * 2 * 16 * 2 * 128 * 2, "stream": 4 * 4 * 4 * 2 * 128 * 2}
+
+
+_counters: dict[int, torch.Tensor] = {}
+_retired: list[torch.Tensor] = []
+
+
+def _split_counters(n: int, device: torch.device) -> torch.Tensor:
+    """The decode kernel's per-(sequence, KV head) split counters: zeroed once, and left at zero by every
+    launch (the last split resets its own), so no memset per call. A larger need gets a new buffer; the old one
+    is kept, since captured graphs hold its address."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    c = _counters.get(idx)
+    if c is None or c.numel() < n:
+        if c is not None:
+            _retired.append(c)
+        c = _counters[idx] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+    return c
+
+
+def decode_supported(num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Shapes the decode kernel handles: head dims 32 … 256 in steps of 32, up to MAX_GQA query heads per KV
+    head. (Others — the tests' tiny models have head dim 8 — take the reference.)"""
+    return (num_q_heads % num_kv_heads == 0 and num_q_heads // num_kv_heads <= MAX_GQA and head_dim % 32 == 0
+            and 32 <= head_dim <= 256)
+
+
+def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int,
+                           scale: float, out: torch.Tensor | None = None,
+                           partition: int | None = None, kernel: str | None = None) -> torch.Tensor:
+    """Decode attention: q [S, Hq, D] (one token per sequence) over each sequence's cached keys →
+    [S, Hq, D]. block_tables [S, max_blocks] and context_lens [S] int64 on the GPU. `kernel`: "mma", "stream"
+    or "split" (default DECODE_KERNEL); each takes the next where it does not apply."""
+    if kernel is None:
+        kernel = DECODE_KERNEL
+    if kernel not in DECODE_KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(DECODE_KERNELS)}, got {kernel!r}")
+    s, hq, d = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    g = hq // hkv
+    assert decode_supported(hq, hkv, d), f"no decode kernel for Hq={hq}, Hkv={hkv}, D={d}"
+    assert q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
+    out = torch.empty_like(q) if out is None else out
+    if s == 0:
+        return out
+    if partition is None:
+        # Fill the GPU: the longest partition that still gives 2 blocks per SM. Small batches take short ones
+        # (down to 32 tokens): a block's PV loop walks its partition serially, so that is its latency.
+        partition = next((p for p in PARTITIONS if s * hkv * -(-max_context_len // p) >= 2 * _sm_count()),
+                         PARTITIONS[-1])
+    splits = max(1, -(-max_context_len // partition))
+    smem = 4 * (g * d + g * partition + 32) + 8 * partition + 4 * (DECODE_THREADS // 32) * g * d
+    if splits > 1:
+        part_out = torch.empty((s, hq, splits, d), dtype=torch.float32, device=q.device)
+        part_max = torch.empty((s, hq, splits), dtype=torch.float32, device=q.device)
+        part_sum = torch.empty((s, hq, splits), dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_max = part_sum = out                   # unused with one split
+    bt = block_tables.contiguous()
+    cl = context_lens.contiguous()
+    one_pass = ("mma" if kernel == "mma" and _mma_ok(q, hkv) else
+                "stream" if kernel in ("mma", "stream") and _stream_ok(q, hkv) else None)
+    if one_pass is not None:
+        _launch(f"paged_attention_{one_pass}", f"paged_attention_{one_pass}", q.dtype, (s, hkv, splits),
+                (DECODE_THREADS,), (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(bt), _ptr(cl), _ptr(out),
+                                    _ptr(part_out), _ptr(part_max), _ptr(part_sum),
+                                    _ptr(_split_counters(s * hkv, q.device)), np.int32(hq), np.int32(hkv),
+                                    np.int32(bs), np.int32(bt.shape[1]), np.int32(partition), np.float32(scale)),
+                shared_mem=RING_BYTES[one_pass] + 8 * (partition // bs + 2))   # rings, then the block ids
+        return out
+    gbound = next(b for b in (4, 8, MAX_GQA) if g <= b)       # the kernel sized for this GQA ratio
+    _launch("paged_attention_decode", f"paged_attention_decode_g{gbound}", q.dtype, (s, hkv, splits), (DECODE_THREADS,),
+            (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(bt), _ptr(cl), _ptr(out), _ptr(part_out), _ptr(part_max),
+             _ptr(part_sum), _ptr(_split_counters(s * hkv, q.device)), np.int32(hq), np.int32(hkv), np.int32(d),
+             np.int32(bs), np.int32(bt.shape[1]), np.int32(partition), np.float32(scale)), shared_mem=smem)
+    return out
+
+
+def _mma_ok(q: torch.Tensor, num_kv_heads: int) -> bool:
+    """Shapes paged_attention_mma.cu takes: head dim 128, at most 16 query heads per KV head (an mma tile's
+    rows), bf16 / fp16, 16-byte aligned queries, and mma.sync / cp.async (sm_80 on)."""
+    return (q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] == 128 and q.shape[1] // num_kv_heads <= 16
+            and q.data_ptr() % 16 == 0 and _cp_async_capable(q.device.index))
+
+
+def _stream_ok(q: torch.Tensor, num_kv_heads: int) -> bool:
+    """Shapes paged_attention_stream.cu takes: head dim 128, at most 4 query heads per KV head, bf16 / fp16,
+    16-byte aligned rows, and cp.async (sm_80 on)."""
+    return (q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] == 128 and q.shape[1] // num_kv_heads <= 4
+            and q.data_ptr() % 16 == 0 and _cp_async_capable(q.device.index))
+
+
+@functools.cache
+def _cp_async_capable(device: int | None) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 0)

@@ -1,0 +1,65 @@
+"""Compiling and launching the CUDA kernels of csrc/ from torch: CuPy compiles each .cu once per process (NVRTC,
+the device's own arch) and keeps the binaries in its on-disk cache; every launch goes on torch's current stream,
+and while a graph is captured on Hopper through programmatic dependent launch (pdl.py)."""
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import pdl
+
+CSRC = Path(__file__).parent / "csrc"
+SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+PDL = os.environ.get("MII_ASYNC_PDL", "1") != "0"   # programmatic dependent launch in captured graphs (Hopper on)
+
+
+@functools.cache
+def _module(name: str):
+    import cupy as cp
+
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"-arch=sm_{major}{minor}"
+    return cp.RawModule(code=(CSRC / f"{name}.cu").read_text(), options=("--std=c++17", f"-I{CSRC}", arch))
+
+
+@functools.cache
+def _kernel(module: str, name: str, dtype: torch.dtype):
+    return _module(module).get_function(f"{name}_{SUFFIX[dtype]}")
+
+
+@functools.cache
+def _stream(handle: int, device: int):
+    import cupy as cp
+
+    return cp.cuda.ExternalStream(handle, device)
+
+
+@functools.cache
+def sm_count() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+@functools.cache
+def _pdl_capable(device: int) -> bool:
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def ptr(t: torch.Tensor) -> np.uint64:
+    return np.uint64(t.data_ptr())
+
+
+def launch(module: str, name: str, dtype: torch.dtype, grid: tuple, block: tuple, args: tuple,
+            shared_mem: int = 0) -> None:
+    k = _kernel(module, name, dtype)
+    if shared_mem > 48 * 1024:
+        k.max_dynamic_shared_size_bytes = shared_mem
+    stream = torch.cuda.current_stream()
+    if PDL and torch.cuda.is_current_stream_capturing() and _pdl_capable(stream.device_index):
+        pdl.launch(k.kernel.ptr, grid, block, args, shared_mem, stream.cuda_stream)
+        return
+    with _stream(stream.cuda_stream, stream.device_index):
+        k(grid, block, args, shared_mem=shared_mem)
