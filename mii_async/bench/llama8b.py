@@ -27,6 +27,8 @@ import torch
 import mii_async
 
 from .step_log import StepLog
+from .step_profile import graph_steps, profile
+from .token_prompts import prompts
 
 BANDWIDTH, FLOPS = 4.25e12, 782e12
 SHAPE = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -58,11 +60,6 @@ def build(seed: int = 0, kernels: str = "auto", **engine_kwargs):
     print(f"engine ready in {time.perf_counter() - t0:.1f} s; {engine.memory_plan.describe() if engine.memory_plan else ''}",
           flush=True)
     return hf, engine
-
-
-def prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1000, 128000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
 def drain(engine, reqs: list[tuple[list[int], int]], start_id: int = 0,
@@ -214,12 +211,23 @@ def mixed(engine, n: int = 1000) -> dict:
         st = torch.cuda.memory_stats()
         return {k: st.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_ooms")}
 
+    launch = engine._launch
+
+    def timed_launch(prev):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t = time.perf_counter()
+        start.record()
+        launched = launch(prev)
+        end.record()
+        log.launched(time.perf_counter() - t, start, end)
+        return launched
+
     with StepLog(lag=int(engine.async_scheduling), counters=allocator) as log:
-        sched.schedule = logged
+        sched.schedule, engine._launch = logged, timed_launch
         try:
             secs, times = drain(engine, reqs, 60_000, log)
         finally:
-            del sched.schedule
+            del sched.schedule, engine._launch
     ttft = sorted(t[0] for t in times.values())
     itl = sorted(b - a for t in times.values() for a, b in zip(t, t[1:]))
     pct = lambda xs, q: 1e3 * xs[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
@@ -227,137 +235,6 @@ def mixed(engine, n: int = 1000) -> dict:
             "ttft_ms_p50": pct(ttft, 0.5), "ttft_ms_p99": pct(ttft, 0.99),
             "itl_ms_p50": pct(itl, 0.5), "itl_ms_p99": pct(itl, 0.99),
             "itl_over_60ms": sum(1 for x in itl if x > 0.06) / max(1, len(itl)), "step_log": log.summary()}
-
-
-CATEGORIES = (("gemm", ("gemm", "cutlass", "xmma", "sm90", "cublas", "nvjet", "gemv")), ("attention", ("paged_attention", "flash", "fmha", "attention")),
-              ("norms", ("rms_norm",)), ("rotary+kv", ("rotary",)), ("silu", ("silu",)),
-              ("sampling", ("argmax", "softmax", "sort", "topk", "exponential", "cumsum")))
-
-
-def _running(engine, batch: int, base: int, prompt_len: int = 128) -> None:
-    """`batch` requests of `prompt_len`-token prompts, stepped until every one has sampled twice: all `batch`
-    decode from then on (their outputs are long enough that none ends while profiled; `_clear` ends them)."""
-    for i, p in enumerate(prompts(batch, prompt_len, prompt_len, 7)):
-        engine.add_request(base + i, p, mii_async.SamplingParams(max_new_tokens=1024, ignore_eos=True))
-    while any(len(s.output_ids) - s.num_pending < 2 for s in engine.seqs.values()):
-        engine.step()
-    engine.flush()
-
-
-def _clear(engine) -> None:
-    engine.flush()
-    for s in list(engine.seqs.values()):
-        engine.abort(s.req_id)
-
-
-def _categories(prof, steps: int) -> dict[str, float]:
-    cats: dict[str, float] = {}
-    for ev in prof.key_averages():
-        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if not us or ev.key.startswith(("cudaLaunch", "ProfilerStep", "cudaGraphLaunch")):
-            continue
-        name = ev.key.lower()
-        cat = next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other")
-        cats[cat] = cats.get(cat, 0.0) + us / 1e3 / steps
-    return cats
-
-
-def _top_kernels(prof, steps: int, n: int = 8) -> list[tuple[str, float]]:
-    rows = []
-    for ev in prof.key_averages():
-        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if us and not ev.key.startswith(("cudaLaunch", "ProfilerStep", "cudaGraphLaunch")):
-            rows.append((ev.key[:80], round(us / 1e3 / steps, 3)))
-    return sorted(rows, key=lambda r: -r[1])[:n]
-
-
-def profile(engine, batch: int, steps: int = 8, prompt_len: int = 0) -> dict:
-    """GPU time per step by category (eager, so that each kernel shows) and the step's wall time. With
-    `prompt_len`, new prompts of that length arrive once the batch decodes, so that the profiled steps are
-    mixed: the decodes plus prompt chunks filling the token budget."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    graphs, engine.runner.graphs = engine.runner.graphs, None
-    _running(engine, batch, 70_000)
-    if prompt_len:
-        for i, p in enumerate(prompts(16, prompt_len, prompt_len, 8)):
-            engine.add_request(71_000 + i, p, mii_async.SamplingParams(max_new_tokens=2, ignore_eos=True))
-    torch.cuda.synchronize()
-    tokens = 0
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            before = sum(s.num_computed_tokens for s in engine.seqs.values())
-            engine.step()
-            tokens += sum(s.num_computed_tokens for s in engine.seqs.values()) - before
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / steps
-    _clear(engine)
-    engine.runner.graphs = graphs
-    cats = _categories(prof, steps)
-    gpu = sum(cats.values())
-    return {"batch": batch, "prompt_len": prompt_len, "tokens_per_step": tokens / steps,
-            "wall_ms_per_step": 1e3 * wall, "gpu_ms_per_step": gpu,
-            "host_or_idle_ms_per_step": 1e3 * wall - gpu, **{f"{k}_ms": v for k, v in sorted(cats.items())},
-            "top_kernels": _top_kernels(prof, steps)}
-
-
-def graph_steps(engine, batch: int, steps: int = 16, prompt_len: int = 128) -> dict:
-    """Decode steps replayed from graphs: wall per step, the graph's own GPU time (replays alone, CUDA events)
-    and its kernels by category, and the host parts of a step timed one by one (with a sync before sampling,
-    so that it waits on nothing). The contexts start at `prompt_len`; the replays are of the graph of the
-    context cap that holds them."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    g = engine.runner.graphs
-    if g is None:
-        return {}
-    _running(engine, batch, 80_000, prompt_len)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    wall = (time.perf_counter() - t0) / steps
-    engine.flush()
-    parts = {"schedule": 0.0, "launch": 0.0, "gpu_wait": 0.0, "sample": 0.0, "commit_and_outputs": 0.0}
-    sched, runner = engine.scheduler, engine.runner
-    for _ in range(steps):                       # Engine.step, split (no TP here)
-        t = [time.perf_counter()]
-        plan = sched.schedule()
-        t.append(time.perf_counter())
-        logits = runner.execute(plan)
-        t.append(time.perf_counter())
-        torch.cuda.synchronize()
-        t.append(time.perf_counter())
-        sampled = sched.commit_step()
-        result = engine.sampler(logits, sampled)
-        t.append(time.perf_counter())
-        for seq, tok in zip(sampled, result.token_ids):
-            seq.output_ids.append(tok)
-        t.append(time.perf_counter())
-        for k, a, b in zip(parts, t, t[1:]):
-            parts[k] += 1e3 * (b - a) / steps
-    b = next(x for x in g.buckets if x >= batch)
-    cap = next(c for c in g.caps if c.cap >= prompt_len + 3 * steps + 2)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        cap.graphs[b].replay()
-    end.record()
-    torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(4):
-            cap.graphs[b].replay()
-        torch.cuda.synchronize()
-    _clear(engine)
-    replay = start.elapsed_time(end) / steps
-    cats = _categories(prof, 4)
-    return {"batch": batch, "prompt_len": prompt_len, "context_cap": cap.cap, "wall_ms_per_step": 1e3 * wall, "graph_gpu_ms": replay,
-            "host_exposed_ms": 1e3 * wall - replay, "async_scheduling": engine.async_scheduling,
-            **{f"{k}_ms": v for k, v in parts.items()},
-            "graph_kernels": {f"{k}_ms": v for k, v in sorted(cats.items())}, "graph_top_kernels": _top_kernels(prof, 4)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -383,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
              "offline": lambda: offline(hf, engine), "mixed": lambda: mixed(engine),
              "profile": lambda: {"bs1": profile(engine, 1), "bs256": profile(engine, 256),
                                  "mixed_128_decodes_1024_prompts": profile(engine, 128, prompt_len=1024),
+                                 # the mixed load's steady state: ~255 decodes over ~700 tokens, a prompt a step
+                                 "mixed_255_ctx704_one_prompt_448": profile(engine, 255, prompt_len=448, context=704,
+                                                                            steady=True),
                                  **{f"graphs_bs{b}": graph_steps(engine, b) for b in (1, 64, 256, 512)
                                     if b <= engine.config.scheduler.max_num_seqs},
                                  # the mixed load's pure-decode steps: ~200-256 decodes over ~700 tokens

@@ -1,12 +1,14 @@
 """StepLog: the wall time of every engine step of a run, the plan it ran, and the garbage collector's pauses in
 it, so that the slowest steps of a benchmark (its ITL tail) can be told apart: a long GPU step, or the host
 stalled by a collection; and so that a step's time can be read against what it computed (tokens, decodes, the
-decodes' context)."""
+decodes' context) and, with `launched`, against the host's time to launch its plan and the GPU's time from the
+plan's first kernel to its last (a wall time far above its GPU time is the host's, or a wait on something else)."""
 from __future__ import annotations
 
 import gc
 import time
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
 
 # Step sizes (scheduled tokens) by which `summary` groups the steps.
@@ -23,6 +25,9 @@ class StepLog:
     # show what moved in them, the summary the totals over the run
     counters: Callable[[], dict[str, int]] | None = None
     moved: list[dict[str, int]] = field(default_factory=list)
+    # per plan, as launched: (host seconds, start event, end event); events have `elapsed_time(end)` in ms
+    # (torch.cuda.Event), read at `summary`, once the run is over
+    launches: list[tuple[float, Any, Any]] = field(default_factory=list)
     _t0: float = 0.0
     _gc_start: float = 0.0
 
@@ -56,6 +61,19 @@ class StepLog:
         """Records the plan the current step launches (call it from the scheduler's `schedule`)."""
         self.plans.append((decodes, tokens, decode_context))
 
+    def launched(self, host_seconds: float, start: Any, end: Any) -> None:
+        """Records how the current plan was launched: the host's seconds in it, and events recorded on the GPU's
+        stream before its first kernel and after its last (one call per `plan`, in the same order)."""
+        self.launches.append((host_seconds, start, end))
+
+    def _launch_of(self, i: int) -> tuple[float, float] | None:
+        """(host ms, GPU ms) of the plan step `i` waited on."""
+        j = i - self.lag
+        if not 0 <= j < len(self.launches):
+            return None
+        host, start, end = self.launches[j]
+        return 1e3 * host, start.elapsed_time(end)
+
     def _plan_of(self, i: int) -> tuple[int, int, int] | None:
         j = i - self.lag
         return self.plans[j] if 0 <= j < len(self.plans) else None
@@ -74,6 +92,8 @@ class StepLog:
             row = {"at_s": round(t, 3), "ms": round(1e3 * d, 2), "outputs": n, "gc_ms": round(1e3 * gc_in(t, d), 2)}
             if (p := self._plan_of(i)) is not None:
                 row.update(decodes=p[0], tokens=p[1], decode_context=p[2])
+            if (la := self._launch_of(i)) is not None:
+                row.update(launch_host_ms=round(la[0], 2), gpu_ms=round(la[1], 2))
             if self.moved:
                 row["counters"] = self.moved[i]
             top.append(row)
@@ -111,19 +131,25 @@ class StepLog:
                 for k, (n, d, dec, tok) in sorted(rows.items())]
 
     def _by_tokens(self) -> list[dict]:
-        groups: dict[int, list[tuple[float, tuple[int, int, int]]]] = {}
+        groups: dict[int, list[tuple[float, tuple[int, int, int], tuple[float, float] | None]]] = {}
         for i, (_, d, _) in enumerate(self.steps):
             if (p := self._plan_of(i)) is None:
                 continue
             lo = max(b for b in TOKEN_BUCKETS if b <= p[1])
-            groups.setdefault(lo, []).append((d, p))
+            groups.setdefault(lo, []).append((d, p, self._launch_of(i)))
         rows = []
         for lo in sorted(groups):
             g = groups[lo]
             n = len(g)
-            rows.append({"tokens_from": lo, "steps": n, "ms_mean": round(1e3 * sum(d for d, _ in g) / n, 2),
-                         "seconds": round(sum(d for d, _ in g), 2),
-                         "tokens_mean": round(sum(p[1] for _, p in g) / n, 1),
-                         "decodes_mean": round(sum(p[0] for _, p in g) / n, 1),
-                         "decode_context_mean": round(sum(p[2] for _, p in g) / max(1, sum(p[0] for _, p in g)), 1)})
+            row = {"tokens_from": lo, "steps": n, "ms_mean": round(1e3 * sum(d for d, *_ in g) / n, 2),
+                   "seconds": round(sum(d for d, *_ in g), 2),
+                   "tokens_mean": round(sum(p[1] for _, p, _ in g) / n, 1),
+                   "decodes_mean": round(sum(p[0] for _, p, _ in g) / n, 1),
+                   "decode_context_mean": round(sum(p[2] for _, p, _ in g) / max(1, sum(p[0] for _, p, _ in g)), 1)}
+            timed = [la for *_, la in g if la is not None]
+            if timed:
+                gpu = sorted(la[1] for la in timed)
+                row.update(launch_host_ms_mean=round(sum(la[0] for la in timed) / len(timed), 2),
+                           gpu_ms_mean=round(sum(gpu) / len(gpu), 2), gpu_ms_max=round(gpu[-1], 2))
+            rows.append(row)
         return rows

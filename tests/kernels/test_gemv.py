@@ -12,6 +12,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("cupy")
 
 from mii_async.kernels import cuda as K  # noqa: E402
+from mii_async.kernels import launch as L  # noqa: E402
 from mii_async.kernels import reference as R  # noqa: E402
 
 from .test_cuda_kernels import TOL, poison, rel  # noqa: E402
@@ -102,7 +103,7 @@ def test_add_rms_norm_gate_up(dtype, m, n, k):
 def test_captured_by_a_cuda_graph_and_replayed_on_new_inputs(pdl, monkeypatch):
     """A chain of dependent gemv kernels in a graph, captured with programmatic dependent launch (each one
     starts before the previous has finished, and waits for its results) and without."""
-    monkeypatch.setattr(K, "PDL", pdl)
+    monkeypatch.setattr(L, "PDL", pdl)      # launch() reads launch.PDL at each call
     dt = torch.bfloat16
     x, w = data(1, 6144, 4096, dt)
     x = x.contiguous()
