@@ -1,7 +1,8 @@
-// The flash-decoding reduce shared by the decode kernels (paged_attention_decode.cu,
-// paged_attention_stream.cu): grid (num_seqs, num_kv_heads, num_splits); each block has written its
-// partition's (max, sum, normalised output) for the G query heads of its KV head, in fp32, at
-// part_* [(seq * Hq + head) * num_splits + split] (part_out × head_dim).
+// What the split decode kernels (paged_attention_decode.cu, paged_attention_stream.cu, paged_attention_mma.cu)
+// share: the start of a partition, the one-pass kernels' merge of their warps' states, and the flash-decoding
+// reduce. Grid (num_seqs, num_kv_heads, num_splits); each block writes its partition's (max, sum, normalised
+// output) for the G query heads of its KV head, in fp32, at part_* [(seq * Hq + head) * num_splits + split]
+// (part_out × head_dim).
 #pragma once
 #include "common.cuh"
 
@@ -14,6 +15,41 @@ __device__ __forceinline__ float split_weight(const float* pm, const float* ps, 
   if (i >= num_splits) return 0.f;
   const float l = __ldcg(ps + i);
   return l > 0.f ? l * __expf(__ldcg(pm + i) - mx) : 0.f;
+}
+
+// A block's last phase in the one-pass kernels: kStates partial softmax states per query head (one per warp,
+// or per row group of a warp) in shared memory, each a max (natural log) st_m[i * kMaxG + g], a sum st_l[…]
+// and an unnormalised output st_acc[(i * kMaxG + g) * kHd + d], merged into the block's. With one split that
+// is the output (rows out_row + g of `out`); otherwise the block's partition, published at
+// part_row + g * num_splits for combine_if_last. A state with sum 0 (a warp that saw no token) weighs nothing.
+template <typename D, int kStates, int kMaxG, int kHd, int kThreads>
+__device__ __forceinline__ void merge_states(const float* st_m, const float* st_l, const float* st_acc, int G,
+                                             long long out_row, typename D::T* __restrict__ out, long long part_row,
+                                             int num_splits, float* __restrict__ part_out,
+                                             float* __restrict__ part_max, float* __restrict__ part_sum) {
+  for (int j = threadIdx.x; j < G * kHd; j += kThreads) {
+    const int g = j / kHd, d = j % kHd;
+    float mx = NEG_INF;
+#pragma unroll
+    for (int i = 0; i < kStates; ++i) mx = fmaxf(mx, st_m[i * kMaxG + g]);
+    float total = 0.f, den = 0.f;
+#pragma unroll
+    for (int i = 0; i < kStates; ++i) {
+      const float l = st_l[i * kMaxG + g];
+      const float w = l > 0.f ? __expf(st_m[i * kMaxG + g] - mx) : 0.f;
+      den += w * l;
+      total += w * st_acc[(i * kMaxG + g) * kHd + d];
+    }
+    if (num_splits == 1) {
+      out[(out_row + g) * kHd + d] = Cvt<D>::store(total / den);
+    } else {
+      part_out[(part_row + g * num_splits) * kHd + d] = total / den;
+      if (d == 0) {
+        part_max[part_row + g * num_splits] = mx;
+        part_sum[part_row + g * num_splits] = den;
+      }
+    }
+  }
 }
 
 // The last block of a (sequence, KV head) to finish combines the partitions of its G query heads (the
@@ -87,3 +123,33 @@ __device__ void combine_if_last(const float* __restrict__ part_out, const float*
   }
 }
 
+// A partition's start in the one-pass kernels: its block ids into shared `blocks` (step inputs, read before the
+// previous kernel is waited for), then the wait for that kernel; returns the partition's token count. A
+// partition wholly past a shorter sequence's end publishes an empty state, takes its part in the combine and
+// returns 0: the caller returns too.
+template <typename D, int kThreads>
+__device__ __forceinline__ int partition_start(const long long* __restrict__ block_tables,
+                                               const long long* __restrict__ context_lens, long long* blocks,
+                                               int start, int partition, int block_size, int max_blocks,
+                                               long long part_row, int G, int num_q_heads, int head_dim,
+                                               const float* part_out, float* part_max, float* part_sum,
+                                               typename D::T* out, int* counters) {
+  const int seq = blockIdx.x, num_splits = gridDim.z;
+  const int ctx = (int)context_lens[seq];
+  const int b0 = start / block_size;
+  const int b_end = min(max_blocks, (start + partition + block_size - 1) / block_size);
+  for (int i = threadIdx.x; b0 + i < b_end; i += kThreads) blocks[i] = block_tables[(long long)seq * max_blocks + b0 + i];
+  const int n = min(start + partition, ctx) - start;
+  if (n <= 0) {
+    pdl_wait();
+    if (threadIdx.x < G) {
+      part_max[part_row + threadIdx.x * num_splits] = NEG_INF;
+      part_sum[part_row + threadIdx.x * num_splits] = 0.f;
+    }
+    combine_if_last<D>(part_out, part_max, part_sum, out, counters, num_q_heads, head_dim, G);
+    return 0;
+  }
+  __syncthreads();
+  pdl_wait();                                    // the queries and this step's K/V rows were just written
+  return n;
+}

@@ -19,6 +19,7 @@
 //   - At the end the warps' states meet in shared memory, and the block writes the output (one split) or its
 //     partition for the last split to combine.
 #include "common.cuh"
+#include "cp_async.cuh"
 #include "decode_combine.cuh"
 
 #define NUM_THREADS 128
@@ -37,19 +38,6 @@
 #define STAGE_BYTES (2 * TILE_BYTES)               // K then V
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
-
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-  unsigned a;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-  return a;
-}
-// 16 bytes global → shared, asynchronously; `bytes` 0 writes zeros (a token past the context).
-__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 __device__ __forceinline__ void ldmatrix_x4(unsigned* r, unsigned addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -116,23 +104,11 @@ __device__ void mma_partition(const typename D::T* __restrict__ q, const typenam
   long long* blocks = reinterpret_cast<long long*>(smem + NUM_WARPS * STAGES * STAGE_BYTES);
   pdl_launch_dependents();
 
-  // The partition's block ids (step inputs: read before the previous kernel is waited for).
-  const int ctx = (int)context_lens[seq];
   const int b0 = start / block_size;
-  const int b_end = min(max_blocks, (start + partition + block_size - 1) / block_size);
-  for (int i = threadIdx.x; b0 + i < b_end; i += NUM_THREADS) blocks[i] = block_tables[(long long)seq * max_blocks + b0 + i];
-  const int n = min(start + partition, ctx) - start;
-  if (n <= 0) {                                  // an empty partition of a shorter sequence
-    pdl_wait();
-    if (threadIdx.x < G) {
-      part_max[part_row + threadIdx.x * num_splits] = NEG_INF;
-      part_sum[part_row + threadIdx.x * num_splits] = 0.f;
-    }
-    combine_if_last<D>(part_out, part_max, part_sum, out, counters, num_q_heads, HD, G);
-    return;
-  }
-  __syncthreads();
-  pdl_wait();                                    // the queries and this step's K/V rows were just written
+  const int n = partition_start<D, NUM_THREADS>(block_tables, context_lens, blocks, start, partition, block_size,
+                                                max_blocks, part_row, G, num_q_heads, HD, part_out, part_max,
+                                                part_sum, out, counters);
+  if (n == 0) return;                            // an empty partition of a shorter sequence
 
   const long long kv_stride = (long long)num_kv_heads * HD;
   const int tiles = (n + TILE - 1) / TILE;
@@ -273,29 +249,8 @@ __device__ void mma_partition(const typename D::T* __restrict__ q, const typenam
     }
   }
   __syncthreads();
-  for (int j = threadIdx.x; j < G * HD; j += NUM_THREADS) {
-    const int g = j / HD, d = j % HD;
-    float mx = NEG_INF;
-#pragma unroll
-    for (int w = 0; w < NUM_WARPS; ++w) mx = fmaxf(mx, st_m[w * MAX_G + g]);
-    float total = 0.f, den = 0.f;
-#pragma unroll
-    for (int w = 0; w < NUM_WARPS; ++w) {
-      const float lw = st_l[w * MAX_G + g];
-      const float wt = lw > 0.f ? __expf(st_m[w * MAX_G + g] - mx) : 0.f;
-      den += wt * lw;
-      total += wt * st_acc[(w * MAX_G + g) * HD + d];
-    }
-    if (num_splits == 1) {
-      out[((long long)seq * num_q_heads + kvh * G + g) * HD + d] = Cvt<D>::store(total / den);
-    } else {
-      part_out[(part_row + g * num_splits) * HD + d] = total / den;
-      if (d == 0) {
-        part_max[part_row + g * num_splits] = mx;
-        part_sum[part_row + g * num_splits] = den;
-      }
-    }
-  }
+  merge_states<D, NUM_WARPS, MAX_G, HD, NUM_THREADS>(st_m, st_l, st_acc, G, (long long)seq * num_q_heads + kvh * G,
+                                                   out, part_row, num_splits, part_out, part_max, part_sum);
   if (num_splits > 1) combine_if_last<D>(part_out, part_max, part_sum, out, counters, num_q_heads, HD, G);
 }
 

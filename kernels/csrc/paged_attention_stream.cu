@@ -13,6 +13,7 @@
 //   - At the end the 8 groups' states meet in shared memory, and the block writes the output (one split)
 //     or its partition for the last split to combine (decode_combine.cuh).
 #include "common.cuh"
+#include "cp_async.cuh"
 #include "decode_combine.cuh"
 
 #ifndef NUM_THREADS
@@ -36,19 +37,6 @@
 #define ROUND (NUM_WARPS * WROWS) // tokens per round of the block
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
-
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-  unsigned a;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-  return a;
-}
-// 16 bytes global → shared, asynchronously; `bytes` 0 writes zeros (a row past the context).
-__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 template <typename D>
 __device__ __forceinline__ void unpack8(const uint4& raw, float* out) {
@@ -81,23 +69,11 @@ __device__ void stream_partition(const typename D::T* __restrict__ q, const type
   long long* blocks = reinterpret_cast<long long*>(reinterpret_cast<T*>(smem_u4) + NUM_WARPS * STAGES * WROWS * 2 * HD);
   pdl_launch_dependents();
 
-  // The partition's block ids (step inputs: read before the previous kernel is waited for).
-  const int ctx = (int)context_lens[seq];
   const int b0 = start / block_size;
-  const int b_end = min(max_blocks, (start + partition + block_size - 1) / block_size);
-  for (int i = threadIdx.x; b0 + i < b_end; i += NUM_THREADS) blocks[i] = block_tables[(long long)seq * max_blocks + b0 + i];
-  const int n = min(start + partition, ctx) - start;
-  if (n <= 0) {                                  // an empty partition of a shorter sequence
-    pdl_wait();
-    if (threadIdx.x < G) {
-      part_max[part_row + threadIdx.x * num_splits] = NEG_INF;
-      part_sum[part_row + threadIdx.x * num_splits] = 0.f;
-    }
-    combine_if_last<D>(part_out, part_max, part_sum, out, counters, num_q_heads, HD, G);
-    return;
-  }
-  __syncthreads();
-  pdl_wait();                                    // the queries and this step's K/V rows were just written
+  const int n = partition_start<D, NUM_THREADS>(block_tables, context_lens, blocks, start, partition, block_size,
+                                                max_blocks, part_row, G, num_q_heads, HD, part_out, part_max,
+                                                part_sum, out, counters);
+  if (n == 0) return;                            // an empty partition of a shorter sequence
 
   const long long kv_stride = (long long)num_kv_heads * HD;
   const int rounds = (n + ROUND - 1) / ROUND;
@@ -111,8 +87,8 @@ __device__ void stream_partition(const typename D::T* __restrict__ q, const type
       const int t = start + (valid ? i : 0);
       const long long row = (blocks[t / block_size - b0] * block_size + t % block_size) * kv_stride + (long long)kvh * HD;
       T* dst = slot + (j * RW + grp) * 2 * HD + sub * 8;
-      cp_async16(smem_addr(dst), k_cache + row + sub * 8, valid ? 16 : 0);
-      cp_async16(smem_addr(dst + HD), v_cache + row + sub * 8, valid ? 16 : 0);
+      cp_async16(smem_u32(dst), k_cache + row + sub * 8, valid ? 16 : 0);
+      cp_async16(smem_u32(dst + HD), v_cache + row + sub * 8, valid ? 16 : 0);
     }
   };
 #pragma unroll
@@ -226,28 +202,8 @@ __device__ void stream_partition(const typename D::T* __restrict__ q, const type
     }
   }
   __syncthreads();
-  for (int j = threadIdx.x; j < G * HD; j += NUM_THREADS) {
-    const int g = j / HD, d = j % HD;
-    float mx = NEG_INF;
-#pragma unroll
-    for (int i = 0; i < NUM_WARPS * RW; ++i) mx = fmaxf(mx, st_m[i * MAX_G + g]);
-    float total = 0.f, den = 0.f;
-#pragma unroll
-    for (int i = 0; i < NUM_WARPS * RW; ++i) {
-      const float w = st_l[i * MAX_G + g] > 0.f ? __expf(st_m[i * MAX_G + g] - mx) : 0.f;
-      den += w * st_l[i * MAX_G + g];
-      total += w * st_acc[(i * MAX_G + g) * HD + d];
-    }
-    if (num_splits == 1) {
-      out[((long long)seq * num_q_heads + kvh * G + g) * HD + d] = Cvt<D>::store(total / den);
-    } else {
-      part_out[(part_row + g * num_splits) * HD + d] = total / den;
-      if (d == 0) {
-        part_max[part_row + g * num_splits] = mx;
-        part_sum[part_row + g * num_splits] = den;
-      }
-    }
-  }
+  merge_states<D, NUM_WARPS * RW, MAX_G, HD, NUM_THREADS>(st_m, st_l, st_acc, G, (long long)seq * num_q_heads + kvh * G,
+                                                        out, part_row, num_splits, part_out, part_max, part_sum);
   if (num_splits > 1) combine_if_last<D>(part_out, part_max, part_sum, out, counters, num_q_heads, HD, G);
 }
 

@@ -200,6 +200,18 @@ def mixed(engine, n: int = 1000) -> dict:
     rng = random.Random(5)
     reqs = [(p, rng.randint(64, 512)) for p in prompts(n, 64, 1024, 6)]
     sched, schedule = engine.scheduler, engine.scheduler.schedule
+    runner, sampler = engine.runner, engine.sampler
+    execute, sample = runner.execute, sampler.launch
+    parts: dict[str, float] = {}                 # the current launch's host seconds: schedule, execute, sample
+
+    def timed(name, fn):
+        def run(*args):
+            t = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                parts[name] = parts.get(name, 0.0) + time.perf_counter() - t
+        return run
 
     def logged():
         plan = schedule()
@@ -214,20 +226,22 @@ def mixed(engine, n: int = 1000) -> dict:
     launch = engine._launch
 
     def timed_launch(prev):
+        parts.clear()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t = time.perf_counter()
         start.record()
         launched = launch(prev)
         end.record()
-        log.launched(time.perf_counter() - t, start, end)
+        log.launched(time.perf_counter() - t, start, end, parts)
         return launched
 
     with StepLog(lag=int(engine.async_scheduling), counters=allocator) as log:
-        sched.schedule, engine._launch = logged, timed_launch
+        sched.schedule, engine._launch = timed("schedule", logged), timed_launch
+        runner.execute, sampler.launch = timed("execute", execute), timed("sample", sample)
         try:
             secs, times = drain(engine, reqs, 60_000, log)
         finally:
-            del sched.schedule, engine._launch
+            del sched.schedule, engine._launch, runner.execute, sampler.launch
     ttft = sorted(t[0] for t in times.values())
     itl = sorted(b - a for t in times.values() for a, b in zip(t, t[1:]))
     pct = lambda xs, q: 1e3 * xs[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731

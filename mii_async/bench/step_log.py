@@ -28,6 +28,7 @@ class StepLog:
     # per plan, as launched: (host seconds, start event, end event); events have `elapsed_time(end)` in ms
     # (torch.cuda.Event), read at `summary`, once the run is over
     launches: list[tuple[float, Any, Any]] = field(default_factory=list)
+    parts: list[dict[str, float]] = field(default_factory=list)  # per launch: host seconds by part, if given
     _t0: float = 0.0
     _gc_start: float = 0.0
 
@@ -61,10 +62,15 @@ class StepLog:
         """Records the plan the current step launches (call it from the scheduler's `schedule`)."""
         self.plans.append((decodes, tokens, decode_context))
 
-    def launched(self, host_seconds: float, start: Any, end: Any) -> None:
-        """Records how the current plan was launched: the host's seconds in it, and events recorded on the GPU's
-        stream before its first kernel and after its last (one call per `plan`, in the same order)."""
+    def launched(self, host_seconds: float, start: Any, end: Any, parts: dict[str, float] | None = None) -> None:
+        """Records how the current plan was launched: the host's seconds in it, events recorded on the GPU's
+        stream before its first kernel and after its last (one call per `plan`, in the same order), and
+        optionally where the host's seconds went (part → seconds)."""
         self.launches.append((host_seconds, start, end))
+        self.parts.append(dict(parts or {}))
+
+    def _parts_ms(self, j: int) -> dict[str, float]:
+        return {f"{k}_ms": round(1e3 * v, 2) for k, v in self.parts[j].items()} if j < len(self.parts) else {}
 
     def _launch_of(self, i: int) -> tuple[float, float] | None:
         """(host ms, GPU ms) of the plan step `i` waited on."""
@@ -94,6 +100,9 @@ class StepLog:
                 row.update(decodes=p[0], tokens=p[1], decode_context=p[2])
             if (la := self._launch_of(i)) is not None:
                 row.update(launch_host_ms=round(la[0], 2), gpu_ms=round(la[1], 2))
+            if self.lag and i < len(self.launches):   # the launch this step made while the plan ran
+                row["own_launch_host_ms"] = round(1e3 * self.launches[i][0], 2)
+                row.update({f"own_{k}": v for k, v in self._parts_ms(i).items()})
             if self.moved:
                 row["counters"] = self.moved[i]
             top.append(row)
@@ -104,6 +113,8 @@ class StepLog:
                "gc_pauses": len(self.pauses), "gc_ms_total": round(1e3 * sum(d for _, d, _ in self.pauses), 2),
                "gc_ms_max": round(1e3 * max((d for _, d, _ in self.pauses), default=0.0), 2),
                "gc_gen2_pauses": sum(1 for *_, g in self.pauses if g == 2)}
+        if self.launches:
+            out["slowest_launches"] = self._slowest_launches(slowest)
         if self.plans:
             out["by_tokens"] = self._by_tokens()
             out["timeline"] = self._timeline()
@@ -115,6 +126,19 @@ class StepLog:
             out["counters_total"] = totals
             out["steps_moving_counters"] = sum(1 for m in self.moved if m)
         return out
+
+    def _slowest_launches(self, n: int) -> list[dict]:
+        """The launches that took the host longest: the plan, host and GPU ms, and the host's parts."""
+        order = sorted(range(len(self.launches)), key=lambda j: -self.launches[j][0])[:n]
+        rows = []
+        for j in order:
+            host, start, end = self.launches[j]
+            row: dict = {"launch": j, "host_ms": round(1e3 * host, 2), "gpu_ms": round(start.elapsed_time(end), 2)}
+            if j < len(self.plans):
+                row.update(decodes=self.plans[j][0], tokens=self.plans[j][1])
+            row.update(self._parts_ms(j))
+            rows.append(row)
+        return rows
 
     def _timeline(self, window: float = 1.0) -> list[list[float]]:
         """Per `window` seconds of the run: [start s, steps, step ms mean, decodes mean, tokens mean]."""

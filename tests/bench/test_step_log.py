@@ -87,11 +87,16 @@ def test_launches_show_host_and_gpu_time_beside_the_step_they_ran_in():
     with log:
         for i, (tokens, secs) in enumerate(((2048, 0.0), (8, 0.03), (8, 0.0))):
             log.plan(0, tokens, 0)
-            log.launched(0.001 * (i + 1), _Event(0.0), _Event(10.0 * (i + 1)))   # GPU 10, 20, 30 ms
+            log.launched(0.001 * (i + 1), _Event(0.0), _Event(10.0 * (i + 1)),   # GPU 10, 20, 30 ms
+                         {"execute": 0.0005 * (i + 1)})
             log.step(lambda secs=secs: time.sleep(secs) or [0])
     s = log.summary(slowest=1)
     top = s["slowest_steps"][0]                   # the 30 ms step waited on plan 0 (lag 1)
     assert top["tokens"] == 2048 and top["gpu_ms"] == 10.0 and top["launch_host_ms"] == 1.0
+    assert top["own_launch_host_ms"] == 2.0 and top["own_execute_ms"] == 1.0   # plan 1, launched in that step
+    assert [r["launch"] for r in s["slowest_launches"]] == [2]
+    assert s["slowest_launches"][0] == {"launch": 2, "host_ms": 3.0, "gpu_ms": 30.0, "decodes": 0, "tokens": 8,
+                                        "execute_ms": 1.5}
     rows = {r["tokens_from"]: r for r in s["by_tokens"]}
     assert rows[2048]["steps"] == 1 and rows[2048]["gpu_ms_mean"] == 10.0 and rows[2048]["gpu_ms_max"] == 10.0
     assert rows[0]["gpu_ms_mean"] == 20.0 and rows[0]["launch_host_ms_mean"] == 2.0

@@ -24,6 +24,15 @@ SHAPES = [(1, 6144, 4096), (2, 4096, 4096), (3, 28672, 4096), (4, 4096, 14336), 
           (4, 1, 64), (1, 257, 100), (5, 512, 4096), (1, 128256, 576)]
 
 
+def bound(dtype: torch.dtype, in_dtype: torch.Tensor, ref: torch.Tensor) -> float:
+    """The error allowed against the fp32 reference `ref` for an op that rounds between its steps (the norm's
+    output before the projection, gate and up before SiLU-and-mul): TOL, or a quarter more than the reference
+    op's own error when it runs in `dtype` (`in_dtype`), whichever is larger. Few outputs (one column, or 64)
+    with cancelling sums can put the reference itself past TOL: that is the dtype's rounding, not the
+    kernel's, and the kernel is also held to the reference's roundings at TOL / 2 below."""
+    return max(TOL[dtype], 1.25 * rel(in_dtype, ref))
+
+
 def uses_gemv(dtype: torch.dtype, m: int, k: int) -> bool:
     return dtype != torch.float32 and m <= K.GEMV_MAX_M and k % 8 == 0
 
@@ -62,8 +71,9 @@ def test_add_rms_norm_linear(dtype, m, n, k):
         poison()
         y, new_res = K.add_rms_norm_linear(x, r, norm_w, 1e-5, w, b, out_dtype=out_dtype)
         ref_y, ref_res = R.add_rms_norm_linear(x.float(), f(r), norm_w.float(), 1e-5, w.float(), f(b))
+        in_dtype = R.add_rms_norm_linear(x, r, norm_w, 1e-5, w, b)[0]
         assert y.dtype == (out_dtype or dtype) and y.shape == (m, n)
-        assert rel(y, ref_y) < TOL[dtype] and rel(new_res, ref_res) < TOL[dtype]
+        assert rel(y, ref_y) < bound(dtype, in_dtype, ref_y) and rel(new_res, ref_res) < TOL[dtype]
         if r is None:
             assert new_res is x
         # The norm rounded as the reference rounds it in this dtype, projected in fp32: only y's own rounding
@@ -76,22 +86,24 @@ def test_add_rms_norm_linear(dtype, m, n, k):
 @pytest.mark.parametrize("m,n,k", SHAPES)
 def test_add_rms_norm_gate_up(dtype, m, n, k):
     """The MLP's input: norm, [gate | up] projection and SiLU-and-mul; with and without a residual. Against fp32,
-    fp16 gets twice the tolerance: the op carries the roundings of three (the norm, the projection's gate and
-    up, SiLU-and-mul), each as the reference rounds them. That it rounds as the reference does is checked
-    tightly on the gemv path, against the reference's steps in the dtype with an fp32 projection. At least 64 outputs a row, so
-    that the norms average over more than a handful."""
+    fp16 gets twice the tolerance, and either dtype `bound`'s: the op carries the roundings of three (the norm,
+    the projection's gate and up, SiLU-and-mul), each as the reference rounds them. That it rounds as the
+    reference does is checked tightly on the gemv path, against the reference's steps in the dtype with an fp32
+    projection. At least 64 outputs a row, so that the norms average over more than a handful."""
     n = max(n, 64)
     x, w = data(m, 2 * n, k, dtype)
     x = x.contiguous()
     res = torch.randn(m, k, device="cuda").to(dtype) * 2
     norm_w = (1 + 0.1 * torch.randn(k, device="cuda")).to(dtype)
     assert K._norm_gemv_ok(x, res, norm_w, w) == uses_gemv(dtype, m, k)
-    tol = 2 * TOL[dtype] if dtype == torch.float16 else TOL[dtype]
     for r in (None, res):
         poison()
         act, new_res = K.add_rms_norm_gate_up(x, r, norm_w, 1e-5, w)
         ref_act, ref_res = R.add_rms_norm_gate_up(x.float(), None if r is None else r.float(), norm_w.float(), 1e-5,
                                                   w.float())
+        tol = bound(dtype, R.add_rms_norm_gate_up(x, r, norm_w, 1e-5, w)[0], ref_act)
+        if dtype == torch.float16:
+            tol = max(tol, 2 * TOL[dtype])
         assert act.shape == (m, n) and rel(act, ref_act) < tol and rel(new_res, ref_res) < TOL[dtype]
         if uses_gemv(dtype, m, k):               # (cuBLAS's fp16 sums are not fp32's)
             normed = R.rms_norm(x, norm_w, 1e-5) if r is None else R.fused_add_rms_norm(x, r, norm_w, 1e-5)[0]
