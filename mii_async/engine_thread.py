@@ -95,12 +95,14 @@ class EngineThread:
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            # The step in flight's tokens are delivered as soon as they are read (during this launch, maybe).
+            self._deliver_all(self.engine.step(emit=self._deliver_all))
         except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
             log.exception("engine step failed")
             for req_id in list(self._sinks):
                 self._end(req_id, Ended("error", f"engine step failed: {exc}"))
-            return
+
+    def _deliver_all(self, outputs: list) -> None:
         for out in outputs:
             sink = self._sinks.get(out.req_id)
             if sink is None:

@@ -9,6 +9,7 @@ import dataclasses
 import gc
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -163,39 +164,61 @@ class Engine:
         return self._inflight is not None or self.scheduler.has_work()
 
     # -- the step ------------------------------------------------------------------------------------
-    def step(self) -> list[EngineOutput]:
+    def step(self, emit: Callable[[list[EngineOutput]], None] | None = None) -> list[EngineOutput]:
         """Advances by one step; returns the tokens sampled. With async scheduling these are the previous
-        step's: this one is launched first, so that the device never waits for the host's bookkeeping."""
+        step's: this one is launched first, so that the device never waits for the host's bookkeeping.
+
+        `emit`: with async scheduling, the previous step's tokens are handed to it as soon as the device has
+        them, while this step is still being launched (the launch of an eager step of a few hundred kernels
+        blocks the host once the device's launch queue is full, until the device has run most of it; reading
+        only after the launch would hold finished tokens back by up to a step, and deliver two steps' tokens
+        at once). Tokens passed to `emit` are not returned."""
         if self.async_scheduling:
-            return self._step_async()
+            return self._step_async(emit)
         launched = self._launch(None)
         return self._read(launched) if launched is not None else []
 
-    def _step_async(self) -> list[EngineOutput]:
+    def _step_async(self, emit: Callable[[list[EngineOutput]], None] | None) -> list[EngineOutput]:
         """Schedules and launches step N+1 while step N runs, then reads N's ids. N's sampled sequences hold
         placeholders that N+1's inputs take from the device; one whose token turns out to end it wasted a row
         of N+1, which is dropped. Steps wait for N first when a row of N+1 would sample from a history that
-        holds a placeholder (penalties)."""
+        holds a placeholder (penalties). With `emit`, N is read between two layers of N+1's launch once its
+        ids are on the host; the sequences it ends are released after the launch."""
         prev, self._inflight = self._inflight, None
         outputs: list[EngineOutput] = []
         if prev is not None and not prev.history_free:
             outputs, prev = self._read(prev), None
-        self._inflight = self._launch(prev)
-        if prev is not None:
+        early: list[list[Sequence]] = []             # the sequences N ended, once read early
+
+        def poll() -> None:
+            if not early and prev is not None and prev.sample.is_ready():
+                out, finished = self._read_ids(prev)
+                early.append(finished)
+                emit(out)                           # type: ignore[misc]
+
+        self._inflight = self._launch(prev, poll if emit is not None and prev is not None else None)
+        if early:
+            # (`emit` may have aborted some of them: a consumer that has gone away)
+            if done := [s for s in early[0] if s.status is not Status.FINISHED]:
+                self._finish(done)
+        elif prev is not None:
             outputs = self._read(prev)
         return outputs
 
-    def _launch(self, prev: _InFlight | None) -> _InFlight | None:
+    def _launch(self, prev: _InFlight | None, between_layers: Callable[[], None] | None = None) -> _InFlight | None:
         """Schedules a step and enqueues its forward pass and sampling; each sampled sequence gets a placeholder
-        id until `_read`. `prev`: the step still in flight, whose ids the placeholders in this plan stand for."""
+        id until `_read`. `prev`: the step still in flight, whose ids the placeholders in this plan stand for.
+        The plan is committed before the forward pass, which reads only the plan's own copies:
+        `between_layers`, called between the layers of an eager forward, may then read `prev`. (A sequence
+        `prev` ends then still gets this step's row, which its read drops, as when read after the launch.)"""
         plan = self.scheduler.schedule()
         if not plan:
             return None
         if self.tp is not None:
             self.tp.send_plan(plan)
-        logits = self.runner.execute(plan, prev.sample.token_ids if prev is not None else None)
         sampled = self.scheduler.commit_step()
-        sample = self.sampler.launch(logits, sampled)
+        logits = self.runner.execute(plan, prev.sample.token_ids if prev is not None else None, between_layers)
+        sample = self.sampler.launch(logits, sampled)      # (before the placeholders: penalties read the history)
         slots = []
         for i, seq in enumerate(sampled):
             seq.output_ids.append(-1 - i)
@@ -210,9 +233,16 @@ class Engine:
         return self._read(prev) if prev is not None else []
 
     def _read(self, step: _InFlight) -> list[EngineOutput]:
-        """Reads a launched step's ids into its sequences' placeholders; ends those that are done: "stop" (EOS /
-        a stop id, once min_new_tokens exist) before "length". Runs once per sampled sequence per step, so the
-        checks are inlined."""
+        """Reads a launched step's ids into its sequences' placeholders and ends those that are done."""
+        outputs, finished = self._read_ids(step)
+        if finished:
+            self._finish(finished)
+        return outputs
+
+    def _read_ids(self, step: _InFlight) -> tuple[list[EngineOutput], list[Sequence]]:
+        """`_read` but for ending the finished sequences, which it returns: "stop" (EOS / a stop id, once
+        min_new_tokens exist) before "length". Runs once per sampled sequence per step, so the checks are
+        inlined."""
         result = self.sampler.resolve(step.sample)
         outputs, finished = [], []
         eos, register = self.spec.eos_token_ids, self.block_manager.register_full_blocks
@@ -238,9 +268,7 @@ class Engine:
                 register(seq)                # blocks whose hashing waited on this token (synchronous steps
                                              # commit with no placeholder, so they hashed them already)
             outputs.append(EngineOutput(seq.req_id, tok, lp, reason, seq.num_cached_prompt_tokens))
-        if finished:
-            self._finish(finished)
-        return outputs
+        return outputs, finished
 
     def _finish(self, seqs: list[Sequence]) -> None:
         """`abort` of each finished sequence, in sampling order, with one pass over the running list."""

@@ -6,6 +6,7 @@ work is the bottleneck on a GPU, not its kernels.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import chain
 from typing import NamedTuple
 
@@ -123,9 +124,11 @@ class Runner:
         self.graphs = None            # DecodeGraphs, once captured (a GPU replica with cuda_graphs)
         self.ragged = getattr(model.ops, "RAGGED_PREFILL", False)   # the op set takes prefill_groups
 
-    def execute(self, plan: StepPlan, pending: torch.Tensor | None = None) -> torch.Tensor:
+    def execute(self, plan: StepPlan, pending: torch.Tensor | None = None,
+                between_layers: Callable[[], None] | None = None) -> torch.Tensor:
         """Runs one step; returns logits [number of sampled seqs, V] in plan order. `pending`: the ids the step
-        in flight samples, on the device, which placeholder ids in the plan stand for (async scheduling)."""
+        in flight samples, on the device, which placeholder ids in the plan stand for (async scheduling).
+        `between_layers`: called after each layer's launches of an eager forward (not a graph replay)."""
         if self.graphs is not None:
             logits = self.graphs.run(plan, pending)
             if logits is not None:
@@ -145,4 +148,4 @@ class Runner:
                                  num_decodes=plan.num_decodes, max_context_len=max(h.context_lens),
                                  query_lens=h.query_lens, context_lens_host=h.context_lens,
                                  prefill_groups=device_groups(buf, h.groups) if h.groups else None)
-        return self.model.forward(buf[:t], buf[t:2 * t], self.kv_caches, meta, buf[o:o + r])
+        return self.model.forward(buf[:t], buf[t:2 * t], self.kv_caches, meta, buf[o:o + r], between_layers)

@@ -48,6 +48,10 @@ class PendingSample(NamedTuple):
     host: tuple = ()                     # the ids, then own / top values / top ids, as queued host copies
     ready: object = None                 # a torch.cuda.Event recorded after those copies; None on the CPU
 
+    def is_ready(self) -> bool:
+        """Whether `resolve` would return without waiting (on the CPU the ids exist as soon as launched)."""
+        return self.ready is None or self.ready.query()
+
 
 def _staged(ids: torch.Tensor, num_rows: int, logprobs: tuple | None = None) -> PendingSample:
     """Queues the step's device → host copies into pinned memory behind an event. Reading `ids.tolist()`

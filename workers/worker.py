@@ -160,7 +160,8 @@ class Worker:
     def _step(self) -> None:
         eng = self.engine
         try:
-            outputs = eng.step()
+            # The step in flight's tokens go out as soon as they are read, which may be during this launch.
+            self._send_tokens(eng.step(emit=self._send_tokens))
         except Exception as exc:  # noqa: BLE001 - fail the live requests, keep serving
             log.exception("engine step failed")
             if eng.tp is not None:
@@ -174,6 +175,8 @@ class Worker:
         now = time.monotonic()
         if now - self._stats_at > STATS_REFRESH_S:    # for the heartbeats; not worth doing every step
             self.stats, self._stats_at = eng.stats(), now
+
+    def _send_tokens(self, outputs: list) -> None:
         if not outputs:
             return
         lps = [None if o.logprobs is None else [o.logprobs.logprob, [list(t) for t in o.logprobs.top]]

@@ -62,19 +62,26 @@ def build(seed: int = 0, kernels: str = "auto", **engine_kwargs):
     return hf, engine
 
 
-def drain(engine, reqs: list[tuple[list[int], int]], start_id: int = 0,
-          log: StepLog | None = None) -> tuple[float, dict[int, list[float]]]:
+def drain(engine, reqs: list[tuple[list[int], int]], start_id: int = 0, log: StepLog | None = None,
+          early: bool = True) -> tuple[float, dict[int, list[float]]]:
     """Submits every (prompt, output length) at once and steps until all finish; returns the wall time and
-    each request's token times (seconds from the start). With `log`, each step is timed there."""
+    each request's token times (seconds from the start). With `log`, each step is timed there. `early`: the
+    engine hands tokens over as soon as they are read (`step(emit)`, as a worker does), not at the step's end."""
     times: dict[int, list[float]] = {}
     for i, (p, n) in enumerate(reqs):
         engine.add_request(start_id + i, p, mii_async.SamplingParams(max_new_tokens=n, ignore_eos=True))
         times[start_id + i] = []
     torch.cuda.synchronize()
     t0 = time.perf_counter()
+
+    def emit(outs) -> None:           # a token's time is when the engine hands it over, as a worker sends it
+        now = time.perf_counter() - t0
+        for out in outs:
+            times[out.req_id].append(now)
+
+    step = lambda: engine.step(emit if early else None)  # noqa: E731
     while engine.has_work():
-        for out in (engine.step() if log is None else log.step(engine.step)):
-            times[out.req_id].append(time.perf_counter() - t0)
+        emit(step() if log is None else log.step(step))
     return time.perf_counter() - t0, times
 
 
@@ -194,7 +201,7 @@ def offline(hf, engine, n: int = 1024, hf_n: int = 256) -> dict:
             "floor_seconds_flops": flops / FLOPS, "floor_output_tok_s": n * 128 / (flops / FLOPS)}
 
 
-def mixed(engine, n: int = 1000) -> dict:
+def mixed(engine, n: int = 1000, early: bool = True) -> dict:
     """n requests, inputs in [64, 1024], outputs in [64, 512], all submitted at once. `step_log`: the slowest
     engine steps and the garbage collector's pauses (what the ITL tail is made of)."""
     rng = random.Random(5)
@@ -225,12 +232,12 @@ def mixed(engine, n: int = 1000) -> dict:
 
     launch = engine._launch
 
-    def timed_launch(prev):
+    def timed_launch(*args):
         parts.clear()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t = time.perf_counter()
         start.record()
-        launched = launch(prev)
+        launched = launch(*args)
         end.record()
         log.launched(time.perf_counter() - t, start, end, parts)
         return launched
@@ -239,7 +246,7 @@ def mixed(engine, n: int = 1000) -> dict:
         sched.schedule, engine._launch = timed("schedule", logged), timed_launch
         runner.execute, sampler.launch = timed("execute", execute), timed("sample", sample)
         try:
-            secs, times = drain(engine, reqs, 60_000, log)
+            secs, times = drain(engine, reqs, 60_000, log, early)
         finally:
             del sched.schedule, engine._launch, runner.execute, sampler.launch
     ttft = sorted(t[0] for t in times.values())
@@ -258,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kernels", default="auto", help="auto (the CuPy kernels) or reference (torch ops)")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="the scheduler's (default: the GPU default)")
     ap.add_argument("--max-batch-tokens", type=int, default=None, help="the token budget (default: the GPU default)")
+    ap.add_argument("--late-tokens", action="store_true",
+                    help="mixed: tokens handed over at the end of each step (engine.step() without emit)")
     a = ap.parse_args(argv)
     parts = a.only.split(",")
     sched = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("max_batch_tokens", a.max_batch_tokens)) if v}
@@ -271,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         results["graph_capture_s"] = engine.runner.graphs.capture_seconds
         results["graph_memory_gib"] = engine.runner.graphs.memory / 2**30
     steps = {"parity": lambda: parity(hf, engine), "bs1": lambda: bs1(hf, engine),
-             "offline": lambda: offline(hf, engine), "mixed": lambda: mixed(engine),
+             "offline": lambda: offline(hf, engine), "mixed": lambda: mixed(engine, early=not a.late_tokens),
              "profile": lambda: {"bs1": profile(engine, 1), "bs256": profile(engine, 256),
                                  "mixed_128_decodes_1024_prompts": profile(engine, 128, prompt_len=1024),
                                  # the mixed load's steady state: ~255 decodes over ~700 tokens, a prompt a step

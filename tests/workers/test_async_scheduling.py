@@ -127,3 +127,58 @@ def test_prefix_cache_registers_blocks_after_placeholders(tiny_model, prompts):
         if mode is False:
             expected = got
         assert got == expected and got >= (len(p) + len(out) - 4) // 4 * 4, (mode, got)
+
+
+@pytest.mark.parametrize("params", [dict(max_new_tokens=20, min_new_tokens=20),
+                                    dict(max_new_tokens=14, temperature=0.9, seed=3, logprobs=2)])
+def test_emit_hands_tokens_over_during_the_next_launch(tiny_model, prompts, params):
+    """With `emit`, the step in flight's tokens are handed over between two layers of the next step's launch
+    (on the CPU, at the first): the synchronous engine's tokens, none returned as well, the requests they end
+    released after the launch, no KV block leaked."""
+    path = tiny_model("llama")
+    ref = run_engine(make_engine(path, num_blocks=256), prompts, **params)
+    engine = make_engine(path, num_blocks=256, async_scheduling=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(i, p, SamplingParams(**params))
+    outs: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    emitted = []
+
+    def emit(batch):
+        assert engine._inflight is None          # inside the launch: the new step is not in flight yet
+        emitted.append(len(batch))
+        for o in batch:
+            outs[o.req_id].append(o.token_id)
+
+    while engine.has_work():
+        for o in engine.step(emit):
+            outs[o.req_id].append(o.token_id)
+        engine.block_manager.check_invariants(engine.seqs.values())
+    assert [outs[i] for i in range(len(prompts))] == ref
+    assert sum(emitted) > len(prompts) * 5       # most tokens went out early
+    assert engine.block_manager.num_free == engine.num_blocks and not engine.seqs
+
+
+def test_an_abort_from_emit_is_not_ended_twice(tiny_model, prompts):
+    """A consumer that aborts its request from `emit` (it went away) while its last token is being handed
+    over: the request is ended once, its blocks freed once, the others unaffected."""
+    path = tiny_model("llama")
+    sp = dict(max_new_tokens=12, min_new_tokens=12)
+    ref = run_engine(make_engine(path, num_blocks=256), prompts[:4], **sp)
+    engine = make_engine(path, num_blocks=256, async_scheduling=True)
+    for i, p in enumerate(prompts[:4]):
+        engine.add_request(i, p, SamplingParams(**sp))
+    outs: dict[int, list[int]] = {i: [] for i in range(4)}
+
+    def emit(batch):
+        for o in batch:
+            outs[o.req_id].append(o.token_id)
+            if o.req_id == 1 and o.finish_reason is not None or o.req_id == 2 and len(outs[2]) == 3:
+                assert engine.abort(o.req_id)    # at its last token, and mid-stream
+
+    while engine.has_work():
+        for o in engine.step(emit):
+            outs[o.req_id].append(o.token_id)
+        engine.block_manager.check_invariants(engine.seqs.values())
+    assert engine.block_manager.num_free == engine.num_blocks and not engine.seqs
+    assert [outs[i] for i in (0, 1, 3)] == [ref[i] for i in (0, 1, 3)]
+    assert outs[2] == ref[2][:3]

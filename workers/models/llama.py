@@ -7,6 +7,7 @@ that are sampled.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -104,8 +105,10 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata, sample_rows: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [T] → logits [len(sample_rows), V] fp32."""
+                meta: AttentionMetadata, sample_rows: torch.Tensor,
+                between_layers: Callable[[], None] | None = None) -> torch.Tensor:
+        """input_ids, positions [T] → logits [len(sample_rows), V] fp32. `between_layers()` runs on the host
+        after each layer's kernels are enqueued (the engine reads the step in flight there)."""
         ops, spec = self.ops, self.spec
         t = input_ids.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, spec.head_dim
@@ -128,6 +131,8 @@ class LlamaModel:
             h = ops.linear(act, layer.down)                                  # act = silu(gate) * up [T, F]
             if tp is not None:
                 tp.all_reduce(h)                                             # row-parallel down
+            if between_layers is not None:
+                between_layers()
         assert residual is not None
         logits, _ = ops.add_rms_norm_linear(h[sample_rows], residual[sample_rows], self.norm, spec.rms_norm_eps,
                                             self.lm_head, out_dtype=torch.float32 if tp is None else None)
