@@ -83,7 +83,8 @@ def _serve(a: argparse.Namespace) -> int:
         replicas=a.replicas, tensor_parallel=a.tensor_parallel, host=a.host, port=a.port, worker_host=a.worker_host,
         worker_port=a.worker_port, max_queued_requests=a.max_queued_requests, drain_timeout_s=a.drain_timeout,
         curve_dir=a.curve_dir, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
-        **({"kv_cache_memory": a.kv_cache_memory} if a.kv_cache_memory is not None else {})))
+        **{k: v for k in ("kv_cache_memory", "gpu_memory_utilization", "max_batch_tokens", "max_mixed_batch_tokens",
+                          "max_num_seqs") if (v := getattr(a, k)) is not None}))
     http = None
     if not a.no_http:
         http = HttpConfig(http_host=a.http_host, http_port=a.http_port, served_model_name=a.served_model_name,
@@ -197,6 +198,15 @@ def _serve_parser(sub: Any) -> None:
     s.add_argument("--device", default="auto")
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for each replica's KV pool (CPU)")
+    s.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="GPU: the share of the device a replica may use (default 0.9)")
+    s.add_argument("--max-batch-tokens", type=int, default=None,
+                   help="tokens per engine step (default: 512 on CPU, 2048 on a GPU)")
+    s.add_argument("--max-mixed-batch-tokens", type=int, default=None,
+                   help="tokens per step while requests are decoding: bounds the inter-token gap "
+                        "(default: 1536 on a GPU, --max-batch-tokens on CPU)")
+    s.add_argument("--max-num-seqs", type=int, default=None,
+                   help="requests running at once per replica (default: 64 on CPU, 256 on a GPU)")
     _http_args(s)
     s.add_argument("--no-http", action="store_true", help="no gateway: only the router's ZeroMQ socket")
     s.add_argument("--status-json", action="store_true", help="also print the ready status as one JSON line")

@@ -74,19 +74,27 @@ class SchedulerConfig:
     max_num_seqs: int | None = None      # running sequences at most; None: 64 on CPU, 256 on a GPU
     async_scheduling: bool | None = None  # plan and launch step N+1 while step N runs, its sampled ids still on
                                           # the device; None: on a GPU, for a replica of one process
+    max_mixed_batch_tokens: int | None = None  # the budget of a step that carries decodes, whose length is every
+                                         # running stream's inter-token gap: prompt chunks beside decodes stop
+                                         # here (decodes themselves are never held back by it); at most
+                                         # max_batch_tokens; None: on a GPU 1536, on CPU
+                                         # max_batch_tokens (no separate budget)
 
-    DEFAULTS = {"cpu": (512, 64), "cuda": (2048, 256)}
+    DEFAULTS = {"cpu": (512, 64, None), "cuda": (2048, 256, 1536)}
 
     def __post_init__(self) -> None:
         _pos_int(self, "max_batch_tokens", optional=True)
         _pos_int(self, "max_num_seqs", optional=True)
+        _pos_int(self, "max_mixed_batch_tokens", optional=True)
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise InvalidParameterError("async_scheduling", f"must be true, false or null, got {self.async_scheduling!r}")
 
     def resolved(self, device_type: str) -> SchedulerConfig:
         """This config with the device's defaults in place of None."""
-        tokens, seqs = self.DEFAULTS["cuda" if device_type == "cuda" else "cpu"]
-        return SchedulerConfig(self.max_batch_tokens or tokens, self.max_num_seqs or seqs, self.async_scheduling)
+        tokens, seqs, mixed = self.DEFAULTS["cuda" if device_type == "cuda" else "cpu"]
+        tokens = self.max_batch_tokens or tokens
+        return SchedulerConfig(tokens, self.max_num_seqs or seqs, self.async_scheduling,
+                               min(self.max_mixed_batch_tokens or mixed or tokens, tokens))
 
 
 @dataclass(frozen=True)

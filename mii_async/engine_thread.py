@@ -101,6 +101,8 @@ class EngineThread:
             log.exception("engine step failed")
             for req_id in list(self._sinks):
                 self._end(req_id, Ended("error", f"engine step failed: {exc}"))
+            for req_id in list(self.engine.seqs):    # any with no consumer left: its blocks go back too
+                self.engine.abort(req_id)
 
     def _deliver_all(self, outputs: list) -> None:
         for out in outputs:

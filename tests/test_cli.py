@@ -98,7 +98,9 @@ def test_serve_starts_the_gateway_and_stops_it(default_model_dir):
     from tests.mesh_helpers import wait_gone
 
     serve = subprocess.Popen([sys.executable, "-m", "mii_async", "serve", str(default_model_dir), "--port", "0",
-                              "--http-port", "0", "--kv-cache-memory", "0.1"], stdout=subprocess.PIPE, text=True)
+                              "--http-port", "0", "--kv-cache-memory", "0.1", "--max-num-seqs", "8",
+                              "--max-batch-tokens", "256", "--max-mixed-batch-tokens", "64"],
+                             stdout=subprocess.PIPE, text=True)
     try:
         assert serve.stdout.readline().startswith("mii-async: serving")
         line = serve.stdout.readline()
@@ -133,3 +135,9 @@ def test_serve_refuses_a_busy_http_port_before_loading():
         s.listen()
         out = _cli("serve", "--port", "0", "--http-port", str(s.getsockname()[1]))
     assert out.returncode == 2 and "http_port" in out.stderr and "loading" not in out.stderr
+
+
+def test_serve_names_a_bad_scheduler_option_before_loading():
+    """A bad --max-mixed-batch-tokens exits 2 naming it, before any model loads."""
+    out = _cli("serve", "--port", "0", "--no-http", "--max-mixed-batch-tokens", "0")
+    assert out.returncode == 2 and "max_mixed_batch_tokens" in out.stderr and "loading" not in out.stderr

@@ -46,12 +46,23 @@ def test_unknown_keys_are_rejected():
 
 @pytest.mark.parametrize("name,value", [("dtype", "int3"), ("device", "tpu"), ("block_size", 12),
                                         ("num_blocks", 0), ("max_batch_tokens", -1), ("max_num_seqs", 0),
-                                        ("kv_cache_memory", 0), ("max_model_len", 0)])
+                                        ("kv_cache_memory", 0), ("max_model_len", 0),
+                                        ("max_mixed_batch_tokens", 0)])
 def test_bad_engine_option_names_it(name, value):
     """Bad engine options raise InvalidParameterError naming the option."""
     with pytest.raises(InvalidParameterError) as info:
         EngineConfig.from_kwargs(None, **{name: value})
     assert info.value.param == name
+
+
+def test_mixed_budget_defaults():
+    """The mixed budget: 1536 on a GPU, none of its own on CPU, never above max_batch_tokens."""
+    from mii_async.config import SchedulerConfig
+    assert SchedulerConfig().resolved("cuda").max_mixed_batch_tokens == 1536
+    assert SchedulerConfig().resolved("cpu").max_mixed_batch_tokens == 512
+    assert SchedulerConfig(max_batch_tokens=1024).resolved("cuda").max_mixed_batch_tokens == 1024
+    assert SchedulerConfig(max_batch_tokens=4096).resolved("cpu").max_mixed_batch_tokens == 4096
+    assert SchedulerConfig(max_mixed_batch_tokens=256).resolved("cuda").max_mixed_batch_tokens == 256
 
 
 def test_normalisation():

@@ -99,6 +99,14 @@ class BlockManager:
                 del self._block_of[h]
 
     # -- prefix cache --------------------------------------------------------------------------------
+    def reset_prefix_cache(self) -> int:
+        """Forgets every free block's prefix (a benchmark's rerun must not find its prompts cached); blocks
+        that sequences hold stay findable. Returns how many blocks were forgotten."""
+        gone = [b for b in self._free if b in self._hash_of]
+        for b in gone:
+            self._evict(b)
+        return len(gone)
+
     def match_prefix(self, seq: Sequence) -> None:
         """At admission of a sequence with no blocks: takes the cached blocks of its longest cached prefix
         of full blocks, leaving at least one token to compute (its logits give the next token)."""

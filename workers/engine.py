@@ -160,6 +160,10 @@ class Engine:
         self.sampler.release(req_id)
         return True
 
+    def reset_prefix_cache(self) -> int:
+        """Forgets the prefixes of the blocks no request holds; returns how many blocks were forgotten."""
+        return self.block_manager.reset_prefix_cache()
+
     def has_work(self) -> bool:
         return self._inflight is not None or self.scheduler.has_work()
 
@@ -196,12 +200,14 @@ class Engine:
                 early.append(finished)
                 emit(out)                           # type: ignore[misc]
 
-        self._inflight = self._launch(prev, poll if emit is not None and prev is not None else None)
-        if early:
-            # (`emit` may have aborted some of them: a consumer that has gone away)
-            if done := [s for s in early[0] if s.status is not Status.FINISHED]:
+        try:
+            self._inflight = self._launch(prev, poll if emit is not None and prev is not None else None)
+        finally:
+            # Also when the launch fails: a request whose last token went out is not left running.
+            # (`emit` may have aborted some of them: a consumer that has gone away.)
+            if early and (done := [s for s in early[0] if s.status is not Status.FINISHED]):
                 self._finish(done)
-        elif prev is not None:
+        if not early and prev is not None:
             outputs = self._read(prev)
         return outputs
 
@@ -209,15 +215,17 @@ class Engine:
         """Schedules a step and enqueues its forward pass and sampling; each sampled sequence gets a placeholder
         id until `_read`. `prev`: the step still in flight, whose ids the placeholders in this plan stand for.
         The plan is committed before the forward pass, which reads only the plan's own copies:
-        `between_layers`, called between the layers of an eager forward, may then read `prev`. (A sequence
-        `prev` ends then still gets this step's row, which its read drops, as when read after the launch.)"""
+        `between_layers`, called between the layers of an eager forward, may read `prev` (and `emit` abort
+        requests): the forward reads only the plan's own copies. A sequence that ends then still has its row
+        in this step, which its read drops. The plan is committed once the whole forward is enqueued: a
+        forward that raises midway leaves no block it did not write findable in the prefix cache."""
         plan = self.scheduler.schedule()
         if not plan:
             return None
         if self.tp is not None:
             self.tp.send_plan(plan)
-        sampled = self.scheduler.commit_step()
         logits = self.runner.execute(plan, prev.sample.token_ids if prev is not None else None, between_layers)
+        sampled = self.scheduler.commit_step()
         sample = self.sampler.launch(logits, sampled)      # (before the placeholders: penalties read the history)
         slots = []
         for i, seq in enumerate(sampled):

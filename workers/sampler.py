@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from .sequence import Sequence
+from .sequence import Sequence, Status
 
 
 _plain = attrgetter("plain")
@@ -83,7 +83,8 @@ class Sampler:
         if g is None:
             g = torch.Generator(device=self.device)
             g.manual_seed(seq.params.seed)
-            self._generators[seq.req_id] = g
+            if seq.status is not Status.FINISHED:   # (a row of a request aborted during the launch: dropped)
+                self._generators[seq.req_id] = g
         return g
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:

@@ -62,7 +62,8 @@ class Scheduler:
         One code path for prefill and decode: each sequence has `num_computed_tokens` of its `num_tokens`
         (prompt + output) in the KV cache, and a step computes the next chunk of the rest. A decode is the
         case where one token is left. Running decodes are scheduled first, one token each; the rest of the
-        `max_batch_tokens` budget goes to prompt chunks of running sequences, then of waiting ones (FCFS).
+        `max_batch_tokens` budget (`max_mixed_batch_tokens` when there are decodes: a latency bound) goes to
+        prompt chunks of running sequences, then of waiting ones (FCFS).
         A sequence is sampled when its chunk reaches its last known token. When the pool runs out for a running
         sequence, the newest running sequence is preempted (blocks freed, requeued for recompute) until the
         older one fits; waiting sequences only take free blocks, so admission never evicts running work.
@@ -82,6 +83,10 @@ class Scheduler:
                 needs.append(max(0, -(-(s.num_computed_tokens + 1) // bs) - len(s.block_table)))
             elif left > 1:
                 prefills.append(s)
+        if decodes and (cap := self.config.max_mixed_batch_tokens):
+            # A step with decodes sets every running stream's inter-token gap: the prompt chunks beside them
+            # stop at the mixed budget; the decodes themselves are never held back by it.
+            budget = min(budget, max(cap, len(decodes)))
         preempted = 0
         # id(seq) → (seq, tokens this step), insertion order
         chosen: dict[int, tuple[Sequence, int]]
@@ -167,11 +172,14 @@ class Scheduler:
 
     def commit_step(self) -> list[Sequence]:
         """After the forward pass of the last `schedule()`: `commit` of every chunk, in plan order; returns the
-        sequences to sample (those whose chunk reached their last token), in plan order."""
+        sequences of the sampled rows (those whose chunk reached their last token), in plan order. One ended
+        since the plan (aborted while the forward was launched) keeps its row and commits nothing: its
+        blocks are back in the pool."""
         sampled = []
         for seq, n in self._scheduled:
-            self.commit(seq, n)
-            if seq.num_computed_tokens == seq.num_tokens:
+            if seq.num_computed_tokens + n == seq.num_tokens:
                 sampled.append(seq)
+            if seq.status is not Status.FINISHED:
+                self.commit(seq, n)
         self._scheduled = []
         return sampled

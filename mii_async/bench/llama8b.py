@@ -2,6 +2,7 @@
 on the very same weights, in one run (issue 6's figures; docs/benchmarks.md).
 
     python -m mii_async.bench.llama8b [--only parity,bs1,offline,mixed,profile] [--json results.json]
+        [--mixed-budgets 1024,1536,2048 --repeat 2]
 
 parity   last-position prefill logits (4 prompts) and one decode step against transformers' forward; greedy
          agreement over 64 tokens for 32 prompts of 128 tokens
@@ -16,6 +17,7 @@ Floors: weight bytes / 4.25 TB/s per decode step; FLOPs / 782 TFLOP/s (../shared
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -79,9 +81,20 @@ def drain(engine, reqs: list[tuple[list[int], int]], start_id: int = 0, log: Ste
         for out in outs:
             times[out.req_id].append(now)
 
-    step = lambda: engine.step(emit if early else None)  # noqa: E731
+    handed: list = []                 # this step's tokens handed over early, for the step log's count
+
+    def hand_over(outs) -> None:
+        emit(outs)
+        handed.extend(outs)
+
+    def step() -> list:
+        handed.clear()
+        outs = engine.step(hand_over if early else None)
+        emit(outs)
+        return handed + outs
+
     while engine.has_work():
-        emit(step() if log is None else log.step(step))
+        step() if log is None else log.step(step)
     return time.perf_counter() - t0, times
 
 
@@ -201,11 +214,32 @@ def offline(hf, engine, n: int = 1024, hf_n: int = 256) -> dict:
             "floor_seconds_flops": flops / FLOPS, "floor_output_tok_s": n * 128 / (flops / FLOPS)}
 
 
+def mixed_sweep(engine, budgets: list[int], repeat: int, early: bool = True) -> dict:
+    """The mixed load once per (repeat, mixed budget), budgets interleaved so that the device's drift (power
+    cap, clocks) falls on all of them alike; the scheduler's `max_mixed_batch_tokens` is set between runs."""
+    sched = engine.scheduler
+    start, runs = sched.config, {}
+    mixed(engine, n=64, early=early)             # warm-up: the first eager steps of each shape
+    try:
+        for r in range(repeat):
+            for b in budgets:
+                sched.config = dataclasses.replace(start, max_mixed_batch_tokens=min(b, start.max_batch_tokens))
+                runs[f"{b}#{r}"] = res = mixed(engine, early=early)
+                print(f"mixed budget {b} run {r}: {res['output_tok_s']:.0f} tok/s, ITL p50 / p99 "
+                      f"{res['itl_ms_p50']:.1f} / {res['itl_ms_p99']:.1f} ms, TTFT p50 {res['ttft_ms_p50']:.0f} ms",
+                      flush=True)
+    finally:
+        sched.config = start
+    return runs
+
+
 def mixed(engine, n: int = 1000, early: bool = True) -> dict:
     """n requests, inputs in [64, 1024], outputs in [64, 512], all submitted at once. `step_log`: the slowest
     engine steps and the garbage collector's pauses (what the ITL tail is made of)."""
     rng = random.Random(5)
     reqs = [(p, rng.randint(64, 512)) for p in prompts(n, 64, 1024, 6)]
+    engine.reset_prefix_cache()                  # a rerun finds none of its prompts cached
+    hits = engine.stats()["prefix_hit_tokens"]
     sched, schedule = engine.scheduler, engine.scheduler.schedule
     runner, sampler = engine.runner, engine.sampler
     execute, sample = runner.execute, sampler.launch
@@ -219,6 +253,18 @@ def mixed(engine, n: int = 1000, early: bool = True) -> dict:
             finally:
                 parts[name] = parts.get(name, 0.0) + time.perf_counter() - t
         return run
+
+    def timed_execute(plan, ids=None, between_layers=None):
+        """`execute`'s host time, less the reads of the step in flight that it calls (their own part)."""
+        def read(t=time.perf_counter):
+            a = t()
+            between_layers()
+            parts["early_read"] = parts.get("early_read", 0.0) + t() - a
+        t = time.perf_counter()
+        try:
+            return execute(plan, ids, read if between_layers is not None else None)
+        finally:
+            parts["execute"] = parts.get("execute", 0.0) + time.perf_counter() - t - parts.get("early_read", 0.0)
 
     def logged():
         plan = schedule()
@@ -244,7 +290,7 @@ def mixed(engine, n: int = 1000, early: bool = True) -> dict:
 
     with StepLog(lag=int(engine.async_scheduling), counters=allocator) as log:
         sched.schedule, engine._launch = timed("schedule", logged), timed_launch
-        runner.execute, sampler.launch = timed("execute", execute), timed("sample", sample)
+        runner.execute, sampler.launch = timed_execute, timed("sample", sample)
         try:
             secs, times = drain(engine, reqs, 60_000, log, early)
         finally:
@@ -255,7 +301,8 @@ def mixed(engine, n: int = 1000, early: bool = True) -> dict:
     return {"output_tok_s": sum(len(t) for t in times.values()) / secs, "seconds": secs,
             "ttft_ms_p50": pct(ttft, 0.5), "ttft_ms_p99": pct(ttft, 0.99),
             "itl_ms_p50": pct(itl, 0.5), "itl_ms_p99": pct(itl, 0.99),
-            "itl_over_60ms": sum(1 for x in itl if x > 0.06) / max(1, len(itl)), "step_log": log.summary()}
+            "itl_over_60ms": sum(1 for x in itl if x > 0.06) / max(1, len(itl)),
+            "prefix_hit_tokens": engine.stats()["prefix_hit_tokens"] - hits, "step_log": log.summary()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,22 +312,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kernels", default="auto", help="auto (the CuPy kernels) or reference (torch ops)")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="the scheduler's (default: the GPU default)")
     ap.add_argument("--max-batch-tokens", type=int, default=None, help="the token budget (default: the GPU default)")
+    ap.add_argument("--max-mixed-batch-tokens", type=int, default=None,
+                    help="the budget of a step with decodes (default: the GPU default)")
+    ap.add_argument("--mixed-budgets", default=None,
+                    help="mixed: run the load once per max_mixed_batch_tokens in this comma list, in one process")
+    ap.add_argument("--repeat", type=int, default=1, help="mixed with --mixed-budgets: rounds over the list")
     ap.add_argument("--late-tokens", action="store_true",
                     help="mixed: tokens handed over at the end of each step (engine.step() without emit)")
     a = ap.parse_args(argv)
     parts = a.only.split(",")
-    sched = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("max_batch_tokens", a.max_batch_tokens)) if v}
+    sched = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("max_batch_tokens", a.max_batch_tokens),
+                               ("max_mixed_batch_tokens", a.max_mixed_batch_tokens)) if v}
     hf, engine = build(kernels=a.kernels, **sched)
     results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                      "weights_gb": weight_bytes(hf) / 1e9, "kernels": engine.kernels,
                      "graphs": bool(engine.runner.graphs), "num_blocks": engine.num_blocks,
                      "max_batch_tokens": engine.config.scheduler.max_batch_tokens,
-                     "max_num_seqs": engine.config.scheduler.max_num_seqs}
+                     "max_num_seqs": engine.config.scheduler.max_num_seqs,
+                     "max_mixed_batch_tokens": engine.config.scheduler.max_mixed_batch_tokens}
     if engine.runner.graphs is not None:
         results["graph_capture_s"] = engine.runner.graphs.capture_seconds
         results["graph_memory_gib"] = engine.runner.graphs.memory / 2**30
     steps = {"parity": lambda: parity(hf, engine), "bs1": lambda: bs1(hf, engine),
-             "offline": lambda: offline(hf, engine), "mixed": lambda: mixed(engine, early=not a.late_tokens),
+             "offline": lambda: offline(hf, engine), "mixed": lambda: (mixed_sweep(engine, [int(b) for b in a.mixed_budgets.split(",")], a.repeat,
+                                           not a.late_tokens) if a.mixed_budgets else mixed(engine, early=not a.late_tokens)),
              "profile": lambda: {"bs1": profile(engine, 1), "bs256": profile(engine, 256),
                                  "mixed_128_decodes_1024_prompts": profile(engine, 128, prompt_len=1024),
                                  # the mixed load's steady state: ~255 decodes over ~700 tokens, a prompt a step

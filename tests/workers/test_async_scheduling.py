@@ -182,3 +182,82 @@ def test_an_abort_from_emit_is_not_ended_twice(tiny_model, prompts):
     assert engine.block_manager.num_free == engine.num_blocks and not engine.seqs
     assert [outs[i] for i in (0, 1, 3)] == [ref[i] for i in (0, 1, 3)]
     assert outs[2] == ref[2][:3]
+
+
+class _ConsumerFailed(Exception):
+    pass
+
+
+def _abort_all(engine):
+    for req_id in list(engine.seqs):
+        engine.abort(req_id)
+    assert not engine.has_work() and engine.block_manager.num_free == engine.num_blocks
+    engine.block_manager.check_invariants([])
+
+
+def test_a_forward_that_fails_midway_caches_no_block_it_did_not_write(tiny_model, prompts):
+    """`emit` raises between two layers of a step that prefills a long prompt (as a socket send that fails
+    would): the prompt's blocks are not findable in the prefix cache afterwards, so the same prompt later is
+    computed again, and gives the tokens of an engine that never failed."""
+    path = tiny_model("llama")
+    long = prompts[1] + prompts[2] + prompts[3]
+    ref = run_engine(make_engine(path, num_blocks=128, block_size=4), [long], max_new_tokens=6, min_new_tokens=6)
+    engine = make_engine(path, num_blocks=128, block_size=4, async_scheduling=True)
+    sp = SamplingParams(max_new_tokens=30, min_new_tokens=30)
+    engine.add_request(0, prompts[0], sp)
+    for _ in range(3):
+        engine.step()
+    engine.add_request(1, long, sp)               # prefilled by the next step, which fails after a layer
+
+    def emit(batch):
+        raise _ConsumerFailed
+
+    with pytest.raises(_ConsumerFailed):
+        engine.step(emit)
+    _abort_all(engine)
+    assert engine.stats()["cached_blocks"] <= len(prompts[0]) // 4 + 4     # request 0's, not the long prompt's
+    hits = engine.stats()["prefix_hit_tokens"]
+    assert run_engine(engine, [long], max_new_tokens=6, min_new_tokens=6) == ref
+    assert engine.stats()["prefix_hit_tokens"] == hits
+
+
+def test_a_request_whose_last_token_went_out_is_released_when_the_launch_fails(tiny_model, prompts):
+    """The step in flight is read early and its tokens handed over, one of them a request's last; then the
+    launch fails. That request is released anyway: nothing is left running with no consumer."""
+    engine = make_engine(tiny_model("llama"), num_blocks=256, async_scheduling=True)
+    engine.add_request(0, prompts[0], SamplingParams(max_new_tokens=3, min_new_tokens=3))
+    engine.add_request(1, prompts[1], SamplingParams(max_new_tokens=30, min_new_tokens=30))
+    ended = []
+
+    def emit(batch):
+        if any(o.req_id == 0 and o.finish_reason for o in batch):
+            ended.append(0)
+            raise _ConsumerFailed
+
+    with pytest.raises(_ConsumerFailed):
+        for _ in range(10):
+            engine.step(emit)
+    assert ended == [0] and 0 not in engine.seqs and 1 in engine.seqs
+    _abort_all(engine)
+
+
+def test_a_seeded_request_aborted_from_emit_leaves_no_generator(tiny_model, prompts):
+    """A seeded request aborted by its consumer while the next step is being launched: that step's row for
+    it is dropped without giving it a generator again."""
+    engine = make_engine(tiny_model("qwen2"), num_blocks=256, async_scheduling=True)
+    sp = SamplingParams(max_new_tokens=12, min_new_tokens=12, temperature=0.9, seed=4)
+    for i, p in enumerate(prompts[:3]):
+        engine.add_request(i, p, sp)
+    seen: dict[int, int] = {}
+
+    def emit(batch):
+        for o in batch:
+            seen[o.req_id] = seen.get(o.req_id, 0) + 1
+            if o.req_id == 1 and seen[1] == 4:
+                assert engine.abort(1)
+
+    while engine.has_work():
+        emit(engine.step(emit))                   # the last step's tokens are returned: no launch follows
+    assert seen[1] == 4 and seen[0] == seen[2] == 12
+    assert engine.sampler._generators == {} and not engine.seqs
+    assert engine.block_manager.num_free == engine.num_blocks

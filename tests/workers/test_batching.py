@@ -41,6 +41,39 @@ def test_small_pool_preempts_and_finishes(tiny_model, prompts, reference):
     assert engine.scheduler.num_preemptions > 0
 
 
+def test_mixed_budget_bounds_steps_with_decodes(tiny_model, prompts, reference):
+    """max_mixed_batch_tokens=12 under a 96-token budget: a step that carries decodes holds at most
+    max(12, its decodes) tokens, a step of prompts alone up to 96; same outputs."""
+    engine = make_engine(tiny_model("llama"), num_blocks=256, max_batch_tokens=96, max_mixed_batch_tokens=12)
+    assert engine.config.scheduler.max_mixed_batch_tokens == 12
+    schedule, sizes = engine.scheduler.schedule, []
+
+    def logged():
+        waiting = {id(s) for s in engine.scheduler.running if s.num_tokens - s.num_computed_tokens == 1}
+        plan = schedule()
+        sizes.append((bool(waiting), plan.num_tokens, plan.num_decodes))
+        return plan
+
+    engine.scheduler.schedule = logged
+    assert run_engine(engine, prompts, max_new_tokens=24, min_new_tokens=24) == reference
+    assert all(n <= max(12, d) for dec, n, d in sizes if dec)
+    assert max(n for dec, n, _ in sizes if not dec) > 12            # the first step: prompts alone, 96 tokens
+    assert any(dec and n == 12 and d < 12 for dec, n, d in sizes)   # prompt chunks beside decodes, up to 12
+
+
+def test_reset_prefix_cache_forgets_free_blocks(tiny_model, prompts, reference):
+    """After reset_prefix_cache a repeated prompt is computed again (no hit), with the same output."""
+    engine = make_engine(tiny_model("llama"), num_blocks=128, block_size=16)
+    long = max(prompts, key=len)
+    run_engine(engine, [long], max_new_tokens=24, min_new_tokens=24)
+    cached = engine.stats()["cached_blocks"]
+    assert cached == (len(long) + 23) // 16 > 0          # every full block of computed tokens
+    assert engine.reset_prefix_cache() == cached and engine.stats()["cached_blocks"] == 0
+    hits = engine.stats()["prefix_hit_tokens"]
+    assert run_engine(engine, [long], max_new_tokens=24, min_new_tokens=24) == [reference[prompts.index(long)]]
+    assert engine.stats()["prefix_hit_tokens"] == hits
+
+
 def test_prefix_cache_hits(tiny_model, prompts, reference):
     """A repeated prompt takes its full blocks from the prefix cache (counted) and gives the same output."""
     engine = make_engine(tiny_model("llama"), num_blocks=128, block_size=16)

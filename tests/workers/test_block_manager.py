@@ -18,11 +18,14 @@ request = st.tuples(prompt, st.integers(1, 12), st.booleans())   # (prompt, max_
 @settings(max_examples=150, deadline=None)
 @given(requests=st.lists(request, min_size=1, max_size=12), num_blocks=st.integers(7, 40),
        block_size=st.sampled_from([1, 2, 4, 8]), budget=st.integers(1, 64), max_seqs=st.integers(1, 8),
-       caching=st.booleans())
-def test_scheduler_never_loses_blocks(requests, num_blocks, block_size, budget, max_seqs, caching):
-    """Random workloads through the scheduler: no block owned twice, refs exact, all finish, all free at idle."""
+       caching=st.booleans(), mixed=st.none() | st.integers(1, 64))
+def test_scheduler_never_loses_blocks(requests, num_blocks, block_size, budget, max_seqs, caching, mixed):
+    """Random workloads through the scheduler: no block owned twice, refs exact, all finish, all free at idle;
+    a step with decodes stays within the mixed budget (or its decodes)."""
     bm = BlockManager(num_blocks, block_size, caching)
-    sched = Scheduler(SchedulerConfig(max_batch_tokens=budget, max_num_seqs=max_seqs), bm)
+    config = SchedulerConfig(max_batch_tokens=budget, max_num_seqs=max_seqs, max_mixed_batch_tokens=mixed)
+    sched = Scheduler(config.resolved("cpu"), bm)
+    cap = min(mixed or budget, budget)
     live: dict[int, Sequence] = {}
     for i, (p, n, _) in enumerate(requests):
         if len(p) + n <= num_blocks * block_size:     # the engine rejects the rest up front
@@ -32,9 +35,10 @@ def test_scheduler_never_loses_blocks(requests, num_blocks, block_size, budget, 
     for step in range(5000):
         if not sched.has_work():
             break
+        decodes = sum(1 for s in sched.running if s.num_tokens - s.num_computed_tokens == 1)
         plan = sched.schedule()
         assert plan, "work left but nothing scheduled: a deadlock"
-        assert plan.num_tokens <= budget
+        assert plan.num_tokens <= (min(budget, max(cap, decodes)) if decodes else budget)
         assert len(sched.running) <= max_seqs
         bm.check_invariants(sched.all_seqs())
         for s in plan.seqs:
