@@ -22,9 +22,15 @@ DECODE_KERNELS = ("mma", "stream", "split")
 DECODE_KERNEL = os.environ.get("MII_ASYNC_DECODE", "mma")
 if DECODE_KERNEL not in DECODE_KERNELS:
     raise ValueError(f"MII_ASYNC_DECODE must be one of {', '.join(DECODE_KERNELS)}, got {DECODE_KERNEL!r}")
-# The one-pass kernels' shared-memory rings, per block: 4 warps × STAGES (2 and 4 there) × rows a stage holds
-# (16 and 4) × (K, V) × head dim 128 × 2 bytes.
-RING_BYTES = {"mma": 4 * 2 * 16 * 2 * 128 * 2, "stream": 4 * 4 * 4 * 2 * 128 * 2}
+# The one-pass kernels' shared-memory rings, per warp: STAGES (2 and 4 there) × rows a stage holds (16 and 4)
+# × (K, V) × head dim 128 × 2 bytes.
+RING_BYTES_PER_WARP = {"mma": 2 * 16 * 2 * 128 * 2, "stream": 4 * 4 * 2 * 128 * 2}
+# The mma kernel's narrow form (2 warps a block, 6 blocks an SM, against 4 and 3) from this many (sequence, KV
+# head) pairs on; None: never. A probe of the same source on the H200 (bf16, 8 KV heads, graph replays, µs,
+# 4 warps → 2): 256 × 704 tokens 245 → 222, 256 × 64-1536 274 → 244, 192 × 704 188 → 168, 256 × 150 59 → 54;
+# but 64 × 1024 89 → 97, 16 × 1024 30 → 33. So 1024 is the candidate; off until the GPU tests have run on this
+# code and the engine's mixed load is measured with it (docs/benchmarks.md).
+MMA_NARROW_FROM: int | None = None
 
 
 _counters: dict[int, torch.Tensor] = {}
@@ -54,10 +60,12 @@ def decode_supported(num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int,
                            scale: float, out: torch.Tensor | None = None,
-                           partition: int | None = None, kernel: str | None = None) -> torch.Tensor:
+                           partition: int | None = None, kernel: str | None = None,
+                           warps: int | None = None) -> torch.Tensor:
     """Decode attention: q [S, Hq, D] (one token per sequence) over each sequence's cached keys →
     [S, Hq, D]. block_tables [S, max_blocks] and context_lens [S] int64 on the GPU. `kernel`: "mma", "stream"
-    or "split" (default DECODE_KERNEL); each takes the next where it does not apply."""
+    or "split" (default DECODE_KERNEL); each takes the next where it does not apply. `warps`: the mma
+    kernel's block width, 2 or 4 (default: 2 from MMA_NARROW_FROM (sequence, KV head) pairs on, if set)."""
     if kernel is None:
         kernel = DECODE_KERNEL
     if kernel not in DECODE_KERNELS:
@@ -88,12 +96,19 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     one_pass = ("mma" if kernel == "mma" and _mma_ok(q, hkv) else
                 "stream" if kernel in ("mma", "stream") and _stream_ok(q, hkv) else None)
     if one_pass is not None:
-        _launch(f"paged_attention_{one_pass}", f"paged_attention_{one_pass}", q.dtype, (s, hkv, splits),
-                (DECODE_THREADS,), (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(bt), _ptr(cl), _ptr(out),
+        name = f"paged_attention_{one_pass}"
+        nwarps = DECODE_THREADS // 32
+        if one_pass == "mma":
+            narrow = MMA_NARROW_FROM is not None and s * hkv >= MMA_NARROW_FROM
+            nwarps = warps if warps is not None else (2 if narrow else 4)
+            if nwarps not in (2, 4):
+                raise ValueError(f"warps must be 2 or 4, got {warps!r}")
+            name += "_w2" if nwarps == 2 else ""
+        _launch(f"paged_attention_{one_pass}", name, q.dtype, (s, hkv, splits), (32 * nwarps,), (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(bt), _ptr(cl), _ptr(out),
                                     _ptr(part_out), _ptr(part_max), _ptr(part_sum),
                                     _ptr(_split_counters(s * hkv, q.device)), np.int32(hq), np.int32(hkv),
                                     np.int32(bs), np.int32(bt.shape[1]), np.int32(partition), np.float32(scale)),
-                shared_mem=RING_BYTES[one_pass] + 8 * (partition // bs + 2))   # rings, then the block ids
+                shared_mem=nwarps * RING_BYTES_PER_WARP[one_pass] + 8 * (partition // bs + 2))  # rings, block ids
         return out
     gbound = next(b for b in (4, 8, MAX_GQA) if g <= b)       # the kernel sized for this GQA ratio
     _launch("paged_attention_decode", f"paged_attention_decode_g{gbound}", q.dtype, (s, hkv, splits), (DECODE_THREADS,),

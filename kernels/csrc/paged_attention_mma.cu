@@ -10,7 +10,7 @@
 // products, shuffle reductions), close to issue bound at the clocks of the GEMMs' power cap; here a tile of
 // 8 KiB costs ~200.
 //
-//   - Each warp streams its own tiles of 16 tokens (tiles warp, warp + NUM_WARPS, ...): its next
+//   - Each warp streams its own tiles of 16 tokens (tiles warp, warp + kWarps, ...): its next
 //     STAGES - 1 tiles are in flight as cp.async copies into its own shared-memory ring, rows swizzled
 //     (16-byte chunk c of token t at c ^ (t & 7)) so that ldmatrix reads them without bank conflicts. No
 //     block barrier until the end.
@@ -22,13 +22,13 @@
 #include "cp_async.cuh"
 #include "decode_combine.cuh"
 
-#define NUM_THREADS 128
-#define NUM_WARPS (NUM_THREADS / 32)
+// Two widths, each a kernel of its own (kernels/decode_attention.py picks one per launch): 4 warps a block, 3
+// blocks an SM (the shared memory of their rings bounds it), and 2 warps, 6 blocks an SM. The narrow blocks
+// end and start more often per SM, so that one block's start (block ids, then its first tiles) and end (the
+// warps' merge, the split combine) overlap the others' streaming. In a probe on the H200 they were ~10% faster
+// for batches of 128+ sequences and slower for smaller ones, which have too few blocks to fill 6 an SM.
 #ifndef STAGES                    // tiles in a warp's ring, STAGES - 1 in flight while one is used
 #define STAGES 2
-#endif
-#ifndef MIN_BLOCKS                // resident blocks per SM the register budget must allow
-#define MIN_BLOCKS 3
 #endif
 #define HD 128                    // head dim
 #define MAX_G 16                  // query heads per KV head: an mma tile's rows
@@ -82,7 +82,7 @@ template <> struct Mma<F16> {
   }
 };
 
-template <typename D>
+template <typename D, int kWarps>
 __device__ void mma_partition(const typename D::T* __restrict__ q, const typename D::T* __restrict__ k_cache,
                               const typename D::T* __restrict__ v_cache, const long long* __restrict__ block_tables,
                               const long long* __restrict__ context_lens, typename D::T* __restrict__ out,
@@ -96,28 +96,29 @@ __device__ void mma_partition(const typename D::T* __restrict__ q, const typenam
   const int quad_row = lane >> 2, quad_col = lane & 3;   // an mma fragment's row (head) and column pair
   const int start = split * partition;
   const long long part_row = ((long long)seq * num_q_heads + kvh * G) * num_splits + split;
-  // Shared memory: the warps' rings [NUM_WARPS][STAGES][K, V][TILE][HD] (swizzled), then the partition's block
+  constexpr int kThreads = kWarps * 32;
+  // Shared memory: the warps' rings [kWarps][STAGES][K, V][TILE][HD] (swizzled), then the partition's block
   // ids. After the stream the rings hold the warps' states instead.
   extern __shared__ uint4 smem_u4[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(smem_u4);
   unsigned char* ring = smem + warp * (STAGES * STAGE_BYTES);
-  long long* blocks = reinterpret_cast<long long*>(smem + NUM_WARPS * STAGES * STAGE_BYTES);
+  long long* blocks = reinterpret_cast<long long*>(smem + kWarps * STAGES * STAGE_BYTES);
   pdl_launch_dependents();
 
   const int b0 = start / block_size;
-  const int n = partition_start<D, NUM_THREADS>(block_tables, context_lens, blocks, start, partition, block_size,
-                                                max_blocks, part_row, G, num_q_heads, HD, part_out, part_max,
-                                                part_sum, out, counters);
+  const int n = partition_start<D, kThreads>(block_tables, context_lens, blocks, start, partition, block_size,
+                                             max_blocks, part_row, G, num_q_heads, HD, part_out, part_max,
+                                             part_sum, out, counters);
   if (n == 0) return;                            // an empty partition of a shorter sequence
 
   const long long kv_stride = (long long)num_kv_heads * HD;
   const int tiles = (n + TILE - 1) / TILE;
-  const int my_tiles = tiles > warp ? (tiles - warp + NUM_WARPS - 1) / NUM_WARPS : 0;
+  const int my_tiles = tiles > warp ? (tiles - warp + kWarps - 1) / kWarps : 0;
   // Issues the copies of this warp's r-th tile into its ring slot: lane takes chunk (lane & 15) of tokens
   // 2i + (lane >> 4), of K and V.
   auto issue = [&](int r) {
     unsigned char* slot = ring + (r % STAGES) * STAGE_BYTES;
-    const int base = (warp + r * NUM_WARPS) * TILE;
+    const int base = (warp + r * kWarps) * TILE;
     const int sub = lane & 15;
 #pragma unroll
     for (int i = 0; i < TILE / 2; ++i) {
@@ -176,7 +177,7 @@ __device__ void mma_partition(const typename D::T* __restrict__ q, const typenam
       Mma<D>::run(s[0], qa[kk], kb[0], kb[1]);
       Mma<D>::run(s[1], qa[kk], kb[2], kb[3]);
     }
-    const int base = (warp + r * NUM_WARPS) * TILE;
+    const int base = (warp + r * kWarps) * TILE;
     float p[2][4];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {                // the two rows: accumulators 0-1 and 2-3
@@ -231,10 +232,10 @@ __device__ void mma_partition(const typename D::T* __restrict__ q, const typenam
   }
   __syncthreads();                               // the rings are free: they take the warps' states
 
-  // States: acc [NUM_WARPS][MAX_G][HD], then m and l [NUM_WARPS][MAX_G] (natural-log units for m).
+  // States: acc [kWarps][MAX_G][HD], then m and l [kWarps][MAX_G] (natural-log units for m).
   float* st_acc = reinterpret_cast<float*>(smem);
-  float* st_m = st_acc + NUM_WARPS * MAX_G * HD;
-  float* st_l = st_m + NUM_WARPS * MAX_G;
+  float* st_m = st_acc + kWarps * MAX_G * HD;
+  float* st_l = st_m + kWarps * MAX_G;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int g = quad_row + 8 * h;
@@ -249,23 +250,27 @@ __device__ void mma_partition(const typename D::T* __restrict__ q, const typenam
     }
   }
   __syncthreads();
-  merge_states<D, NUM_WARPS, MAX_G, HD, NUM_THREADS>(st_m, st_l, st_acc, G, (long long)seq * num_q_heads + kvh * G,
-                                                   out, part_row, num_splits, part_out, part_max, part_sum);
+  merge_states<D, kWarps, MAX_G, HD, kThreads>(st_m, st_l, st_acc, G, (long long)seq * num_q_heads + kvh * G,
+                                               out, part_row, num_splits, part_out, part_max, part_sum);
   if (num_splits > 1) combine_if_last<D>(part_out, part_max, part_sum, out, counters, num_q_heads, HD, G);
 }
 
-#define MII_MMA(SUFFIX, D)                                                                                     \
-  extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS) paged_attention_mma_##SUFFIX(        \
+// NAME: the kernel, WARPS per block, MIN_BLOCKS resident per SM that the register budget must allow.
+#define MII_MMA(NAME, WARPS, MIN_BLOCKS, D)                                                                    \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) NAME(                                  \
       const D::T* q, const D::T* k_cache, const D::T* v_cache, const long long* block_tables,                \
       const long long* context_lens, D::T* out, float* part_out, float* part_max, float* part_sum,           \
       int* counters, int num_q_heads, int num_kv_heads, int block_size, int max_blocks, int partition,       \
       float scale) {                                                                                           \
-    mma_partition<D>(q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_max, part_sum,     \
-                     counters, num_q_heads, num_kv_heads, block_size, max_blocks, partition, scale);          \
+    mma_partition<D, WARPS>(q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_max,        \
+                            part_sum, counters, num_q_heads, num_kv_heads, block_size, max_blocks, partition, \
+                            scale);                                                                           \
   }
-MII_MMA(bf16, BF16)
-MII_MMA(f16, F16)
+MII_MMA(paged_attention_mma_bf16, 4, 3, BF16)
+MII_MMA(paged_attention_mma_f16, 4, 3, F16)
+MII_MMA(paged_attention_mma_w2_bf16, 2, 6, BF16)
+MII_MMA(paged_attention_mma_w2_f16, 2, 6, F16)
 
-// Shared memory a launch takes (kernels/cuda.py computes it): the rings, NUM_WARPS * STAGES * 8 KiB (64 KiB at
-// STAGES 2), which later hold the states (NUM_WARPS * MAX_G * (HD + 2) floats, 32.5 KiB), then 8 bytes per
-// block id of a partition.
+// Shared memory a launch takes (kernels/decode_attention.py computes it): the rings, warps * STAGES * 8 KiB
+// (64 KiB for 4 warps at STAGES 2), which later hold the states (warps * MAX_G * (HD + 2) floats, 32.5 KiB
+// for 4), then 8 bytes per block id of a partition.

@@ -80,10 +80,11 @@ def main(argv: list[str] | None = None) -> None:
         ctx = f"{lo}" if lo == hi else f"{lo}-{hi}"
         rows.append((f"decode attention S={s} ctx={ctx}", timed(lambda: K.paged_attention(q, kc, vc, meta, 0.088)),
                      ref_us, floor))
-        for kern in ("split", "stream", "mma"):
+        for kern, warps in (("split", None), ("stream", None), ("mma", 4), ("mma", 2)):
+            name = kern if warps is None else f"{kern}/{warps} warps"
             for part in (None, 128, 256, 512):
-                rows.append((f"  {kern} partition {part or 'auto'}", timed(lambda: K.paged_attention_decode(
-                    q, kc, vc, tables, lens, hi, 0.088, partition=part, kernel=kern)), ref_us, floor))
+                rows.append((f"  {name} partition {part or 'auto'}", timed(lambda: K.paged_attention_decode(
+                    q, kc, vc, tables, lens, hi, 0.088, partition=part, kernel=kern, warps=warps)), ref_us, floor))
     print(f"{'op (' + a.dtype + ')':<36}{'cuda µs':>10}{'torch µs':>10}{'floor µs':>10}{'% of floor':>12}")
     for name, ours, ref, floor in rows:
         print(f"{name:<36}{ours:>10.1f}{ref:>10.1f}{floor:>10.2f}{100 * floor / ours:>11.0f}%")

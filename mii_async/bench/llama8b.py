@@ -317,12 +317,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mixed-budgets", default=None,
                     help="mixed: run the load once per max_mixed_batch_tokens in this comma list, in one process")
     ap.add_argument("--repeat", type=int, default=1, help="mixed with --mixed-budgets: rounds over the list")
+    ap.add_argument("--mma-warps", type=int, choices=(2, 4), default=None,
+                    help="decode attention's tensor-core kernel at this block width for every batch "
+                         "(default: kernels/decode_attention.py's choice by batch)")
     ap.add_argument("--late-tokens", action="store_true",
                     help="mixed: tokens handed over at the end of each step (engine.step() without emit)")
     a = ap.parse_args(argv)
     parts = a.only.split(",")
     sched = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("max_batch_tokens", a.max_batch_tokens),
                                ("max_mixed_batch_tokens", a.max_mixed_batch_tokens)) if v}
+    if a.mma_warps is not None:               # before the engine captures its graphs, which keep the choice
+        from mii_async.kernels import decode_attention
+        decode_attention.MMA_NARROW_FROM = 0 if a.mma_warps == 2 else None
     hf, engine = build(kernels=a.kernels, **sched)
     results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                      "weights_gb": weight_bytes(hf) / 1e9, "kernels": engine.kernels,

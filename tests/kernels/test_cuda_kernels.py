@@ -123,6 +123,7 @@ DECODE_CASES = [  # (context lengths, Hq, Hkv, D, block size)
     ([32768], 32, 8, 128, 16),
     ([32768, 3, 20000], 9, 3, 64, 32),
     ([random.Random(0).randrange(1, 4096) for _ in range(64)], 32, 8, 128, 16),
+    ([random.Random(1).randrange(1, 2048) for _ in range(160)], 32, 8, 128, 16),   # 1280 (sequence, KV head) pairs
     ([100, 2000, 7], 8, 8, 64, 16),
     ([300, 4000], 16, 1, 128, 16),
     ([777, 9], 28, 4, 128, 32),
@@ -151,11 +152,12 @@ def test_paged_attention_decode(dtype, case, kernel, monkeypatch):
     assert rel(out, ref) < TOL[dtype], (clens[:4], hq, hkv, d)
 
 
-@pytest.mark.parametrize("kernel", DECODE_KERNELS)
+@pytest.mark.parametrize("kernel", DECODE_KERNELS + ["mma/2"])
 @pytest.mark.parametrize("partition", DA.PARTITIONS)
 def test_paged_attention_decode_every_partition(partition, kernel):
     """Each split length the adaptive choice may take gives the reference's answer (contexts shorter and
-    longer than it, one that ends on its edge), in every kernel."""
+    longer than it, one that ends on its edge), in every kernel and both mma widths (mma/2: 2 warps a block)."""
+    kernel, _, warps = kernel.partition("/")
     clens = [1, partition, partition + 1, 3 * partition + 5, 1000]
     kc, vc, tables = _paged(clens, 8, 128, 16, torch.bfloat16, seed=partition)
     q = torch.randn(len(clens), 32, 128, device="cuda").to(torch.bfloat16)
@@ -163,16 +165,16 @@ def test_paged_attention_decode_every_partition(partition, kernel):
     ref = R.paged_attention(q.float(), kc.float(), vc.float(), meta, 128 ** -0.5)
     poison()
     out = K.paged_attention_decode(q, kc, vc, meta.block_tables, meta.context_lens, max(clens), 128 ** -0.5,
-                                   partition=partition, kernel=kernel)
+                                   partition=partition, kernel=kernel, warps=int(warps) if warps else None)
     assert rel(out, ref) < TOL[torch.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("g", [1, 2, 3, 4, 5, 7, 8, 12, 16])
 def test_one_pass_decode_kernels_match_the_split_kernel(dtype, g):
-    """The tensor-core kernel (every GQA ratio up to its 16 rows) and the streamed one (up to 4), both 16-bit
-    types, block sizes 16 and 32, contexts across their 16-token tiles and rings: the split kernel's answer
-    and the reference's."""
+    """The tensor-core kernel (every GQA ratio up to its 16 rows, blocks of 4 warps and of 2) and the streamed
+    one (up to 4), both 16-bit types, block sizes 16 and 32, contexts across their 16-token tiles and rings:
+    the split kernel's answer and the reference's."""
     clens = [1, 15, 16, 17, 63, 64, 65, 200, 511, 777, 2049, 5000]
     for bs in (16, 32):
         kc, vc, tables = _paged(clens, 4, 128, bs, dtype, seed=10 * g + bs)
@@ -181,11 +183,11 @@ def test_one_pass_decode_kernels_match_the_split_kernel(dtype, g):
         ref = R.paged_attention(q.float(), kc.float(), vc.float(), meta, 128 ** -0.5)
         split = K.paged_attention_decode(q, kc, vc, meta.block_tables, meta.context_lens, max(clens), 128 ** -0.5,
                                          kernel="split")
-        for kernel in ("mma", "stream") if g <= 4 else ("mma",):
+        for kernel, warps in (("mma", 4), ("mma", 2), ("stream", None))[:3 if g <= 4 else 2]:
             poison()
             out = K.paged_attention_decode(q, kc, vc, meta.block_tables, meta.context_lens, max(clens),
-                                           128 ** -0.5, kernel=kernel)
-            assert rel(out, ref) < TOL[dtype] and rel(out, split) < TOL[dtype], (kernel, g, bs)
+                                           128 ** -0.5, kernel=kernel, warps=warps)
+            assert rel(out, ref) < TOL[dtype] and rel(out, split) < TOL[dtype], (kernel, warps, g, bs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
