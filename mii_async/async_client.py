@@ -75,7 +75,11 @@ class _Connection:
         while True:
             msg = await self.sock.recv()
             self.last_heard = time.monotonic()
-            if isinstance(msg, (P.Delta, P.ErrorReply)) and msg.req_id in self.streams:
+            if isinstance(msg, P.DeltaBatch):
+                for d in msg.deltas:
+                    if (q := self.streams.get(d.req_id)) is not None:
+                        q.put_nowait(d)
+            elif isinstance(msg, (P.Delta, P.ErrorReply)) and msg.req_id in self.streams:
                 self.streams[msg.req_id].put_nowait(msg)
             elif isinstance(msg, P.ErrorReply) and msg.req_id in self.queries:
                 fut = self.queries.pop(msg.req_id)

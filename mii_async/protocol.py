@@ -1,9 +1,11 @@
 """Every wire message between client, router and workers, and their one msgpack encoding.
 
 A frame is a msgpack map {"v": PROTOCOL_VERSION, "t": <message name>, <fields>}. Token-id lists travel as
-packed little-endian uint32 arrays (msgpack bin), not as lists of ints. Never pickle. `decode` checks the
-version, the type, that every field is present and of its declared type, and msgpack's own length limits;
-anything else raises ProtocolError, which the receiver counts and answers without stopping.
+packed little-endian uint32 arrays (msgpack bin), not as lists of ints; a list of messages (DeltaBatch) as a
+list of such maps without "v" and "t". Never pickle. `decode` checks the version, the type, that every field
+is present and of its declared type, and msgpack's own length limits; anything else raises ProtocolError,
+which the receiver counts and answers without stopping. Each message type's field checks are built once, at
+import: decoding runs on every token's path (router, gateway, client).
 """
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import dataclasses
 import sys
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 import msgpack
 
@@ -56,6 +59,13 @@ class Delta:
     usage: dict | None = None                      # prompt_tokens, completion_tokens, cached_tokens
     error: str | None = None                       # with finish_reason "error"
     prompt_ids: list[int] | None = field(default=None, metadata=_IDS)   # first delta only: the prompt's ids
+
+
+@dataclass
+class DeltaBatch:
+    """Router → client: the Deltas of one engine step for this client's requests, in one frame (one send and
+    one receive per step instead of one per request)."""
+    deltas: list[Delta] = field(metadata={"of": Delta})    # each as a Delta's map, without "v" and "t"
 
 
 @dataclass
@@ -182,10 +192,10 @@ class Shutdown:
     req_id: str | None = None
 
 
-Message = Union[Generate, Abort, Delta, ErrorReply, Query, QueryReply, Hello, Assign, LoadFailed, StatsQuery,
-                StatsReport, AddRequest, AbortRequest, StepTokens, Ready, Heartbeat, RequestFailed, Shutdown]
+Message = Union[Generate, Abort, Delta, DeltaBatch, ErrorReply, Query, QueryReply, Hello, Assign, LoadFailed,
+                StatsQuery, StatsReport, AddRequest, AbortRequest, StepTokens, Ready, Heartbeat, RequestFailed,
+                Shutdown]
 _TYPES: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(Message)}
-_HINTS = {name: typing.get_type_hints(cls) for name, cls in _TYPES.items()}
 
 
 def _pack_ids(ids: list[int]) -> bytes:
@@ -207,10 +217,19 @@ def _unpack_ids(b: Any, name: str) -> list[int]:
 
 def encode(msg: Message) -> bytes:
     frame: dict[str, Any] = {"v": PROTOCOL_VERSION, "t": type(msg).__name__}
-    for f in dataclasses.fields(msg):
-        value = getattr(msg, f.name)
-        frame[f.name] = _pack_ids(value) if f.metadata.get("ids") and value is not None else value
+    _put_fields(msg, frame)
     return msgpack.packb(frame, use_bin_type=True)
+
+
+def _put_fields(msg: Any, frame: dict[str, Any]) -> dict[str, Any]:
+    for f in _SPECS[type(msg).__name__]:
+        value = getattr(msg, f.name)
+        if value is not None and f.ids:
+            value = _pack_ids(value)
+        elif value is not None and f.of is not None:
+            value = [_put_fields(m, {}) for m in value]
+        frame[f.name] = value
+    return frame
 
 
 def decode(data: bytes) -> Message:
@@ -227,46 +246,84 @@ def decode(data: bytes) -> Message:
         raise ProtocolError("a frame must be a msgpack map")
     if frame.get("v") != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {frame.get('v')!r} is not {PROTOCOL_VERSION}")
-    name = frame.get("t")
-    cls = _TYPES.get(name) if isinstance(name, str) else None
-    if cls is None:
+    name = frame.pop("t", None)
+    del frame["v"]
+    if not isinstance(name, str) or name not in _TYPES:
         raise ProtocolError(f"unknown message type {name!r}")
+    return _from_fields(name, frame)
+
+
+def _from_fields(name: str, frame: dict[str, Any]) -> Any:
+    """The message `name` from its fields' map (without "v" and "t"), each checked against its declaration."""
     kwargs: dict[str, Any] = {}
-    extra = set(frame) - {"v", "t"} - {f.name for f in dataclasses.fields(cls)}
-    if extra:
-        raise ProtocolError(f"{name}: unknown fields {sorted(extra)}")
-    for f in dataclasses.fields(cls):
+    for f in _SPECS[name]:
         if f.name not in frame:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            if f.required:
                 raise ProtocolError(f"{name}: missing field {f.name!r}")
             continue
         value = frame[f.name]
-        if f.metadata.get("ids") and value is not None:
+        if value is not None and f.ids:
             value = _unpack_ids(value, f.name)
-        elif not _conforms(value, _HINTS[name][f.name]):
-            raise ProtocolError(f"{name}.{f.name}: {type(value).__name__} does not match {_HINTS[name][f.name]}")
+        elif not f.check(value):
+            raise ProtocolError(f"{name}.{f.name}: {type(value).__name__} does not match {f.hint}")
+        elif value is not None and f.of is not None:
+            value = [_from_fields(f.of, m) if isinstance(m, dict) else _not_a_map(name, f.name) for m in value]
         kwargs[f.name] = value
-    return cls(**kwargs)
+    if len(kwargs) < len(frame):
+        extra = set(frame) - set(kwargs)
+        raise ProtocolError(f"{name}: unknown fields {sorted(extra, key=repr)}")
+    return _TYPES[name](**kwargs)
 
 
-def _conforms(value: Any, hint: Any) -> bool:
-    """Shallow type check: the outer type of each field (list elements of lists of scalars are checked too)."""
+def _not_a_map(name: str, field_name: str) -> Any:
+    raise ProtocolError(f"{name}.{field_name}: every entry must be a map of fields")
+
+
+class _FieldSpec(NamedTuple):
+    name: str
+    hint: Any                          # the declared type, for error messages
+    check: Callable[[Any], bool]       # the value conforms (outer type; list elements of lists of scalars too)
+    required: bool                     # no default
+    ids: bool                          # a packed token-id array on the wire
+    of: str | None                     # a list of this message type, each as a map of its fields
+
+
+def _checker(hint: Any) -> Callable[[Any], bool]:
+    """A shallow type check for `hint`, built once: the outer type of a value, and the elements of a list."""
     origin = typing.get_origin(hint)
     if origin in (Union, types.UnionType):
-        return any(_conforms(value, h) for h in typing.get_args(hint))
+        parts = [h for h in typing.get_args(hint) if h is not type(None)]
+        nullable = len(parts) < len(typing.get_args(hint))
+        checks = [_checker(h) for h in parts]
+        if nullable and len(checks) == 1:
+            (one,) = checks
+            return lambda v: v is None or one(v)
+        return lambda v: (nullable and v is None) or any(c(v) for c in checks)
     if hint is type(None):
-        return value is None
+        return lambda v: v is None
     if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
     if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return lambda v: isinstance(v, int) and not isinstance(v, bool)
     if origin is list:
-        if not isinstance(value, list):
-            return False
         args = typing.get_args(hint)
-        return not args or all(_conforms(v, args[0]) for v in value)
+        if not args or dataclasses.is_dataclass(args[0]):
+            return lambda v: isinstance(v, list)       # messages: checked one by one as they are built
+        each = _checker(args[0])
+        return lambda v: isinstance(v, list) and all(map(each, v))
     if origin is dict or hint is dict:
-        return isinstance(value, dict)
+        return lambda v: isinstance(v, dict)
     if hint is list:
-        return isinstance(value, list)
-    return isinstance(value, hint)
+        return lambda v: isinstance(v, list)
+    return lambda v: isinstance(v, hint)
+
+
+def _spec(cls: type) -> list[_FieldSpec]:
+    hints = typing.get_type_hints(cls)
+    return [_FieldSpec(f.name, hints[f.name], _checker(hints[f.name]),
+                       f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+                       bool(f.metadata.get("ids")), f.metadata["of"].__name__ if "of" in f.metadata else None)
+            for f in dataclasses.fields(cls)]
+
+
+_SPECS: dict[str, list[_FieldSpec]] = {name: _spec(cls) for name, cls in _TYPES.items()}

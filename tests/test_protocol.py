@@ -14,6 +14,9 @@ SAMPLES = [
     p.Generate("r3", messages=[{"role": "user", "content": "hi"}]),
     p.Abort("r1"),
     p.Delta("r1", "text", [5, 6], [[5, -0.1, [[5, -0.1]]]], "stop", {"prompt_tokens": 3}, None),
+    p.DeltaBatch([p.Delta("r1", "a", [5]), p.Delta("r2", "", [], None, "length", {"prompt_tokens": 3}, None, [1, 2]),
+                  p.Delta("r3", "é", [7], [[7, -0.5, []]])]),
+    p.DeltaBatch([]),
     p.ErrorReply("r1", "invalid_parameter", "temperature: must be ≥ 0", "temperature"),
     p.ErrorReply(None, "bad_frame", "not msgpack"),
     p.AddRequest(7, [1, 2, 3], {"temperature": 0.5}),
@@ -32,6 +35,13 @@ def test_round_trip(msg):
     assert p.decode(p.encode(msg)) == msg
 
 
+def test_a_batch_packs_each_deltas_token_ids():
+    """A DeltaBatch carries each Delta as a map of its fields, token ids packed, with no version or type."""
+    frame = msgpack.unpackb(p.encode(p.DeltaBatch([p.Delta("r1", "a", [5, 6])])))
+    assert frame["deltas"][0]["token_ids"] == bytes([5, 0, 0, 0, 6, 0, 0, 0])
+    assert "v" not in frame["deltas"][0] and "t" not in frame["deltas"][0]
+
+
 def test_token_ids_are_packed():
     """Token ids travel as a packed uint32 array: 4 bytes each, not a msgpack list."""
     frame = msgpack.unpackb(p.encode(p.AddRequest(1, list(range(1000)))))
@@ -48,6 +58,14 @@ BAD = [
     msgpack.packb({"v": 1, "t": "AddRequest", "req_id": 1, "prompt_ids": b"abc"}),
     msgpack.packb({"v": 1, "t": "AddRequest", "req_id": True, "prompt_ids": b""}),
     msgpack.packb({"v": 1, "t": "StepTokens", "req_ids": ["a"], "token_ids": b""}),
+    msgpack.packb({"v": 1, "t": "StepTokens", "req_ids": [1], "token_ids": b"", "cached_tokens": [True]}),
+    msgpack.packb({"v": 1, "t": "Abort", "req_id": "x", b"raw": 1}),
+    msgpack.packb({"v": 1, "t": "DeltaBatch", "deltas": [{"req_id": "a", "text": 5}]}),
+    msgpack.packb({"v": 1, "t": "DeltaBatch", "deltas": [{"req_id": "a"}]}),
+    msgpack.packb({"v": 1, "t": "DeltaBatch", "deltas": [{"req_id": "a", "text": "", "token_ids": b"abc"}]}),
+    msgpack.packb({"v": 1, "t": "DeltaBatch", "deltas": [{"v": 1, "t": "Delta", "req_id": "a", "text": ""}]}),
+    msgpack.packb({"v": 1, "t": "DeltaBatch", "deltas": ["Delta"]}),
+    msgpack.packb({"v": 1, "t": "DeltaBatch", "deltas": {"req_id": "a", "text": ""}}),
     msgpack.ExtType(1, b"x").data,
 ]
 

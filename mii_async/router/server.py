@@ -339,14 +339,21 @@ class Router:
 
     # -- workers -------------------------------------------------------------------------------------
     async def send_chunk(self, live: _Live, chunk: Any) -> None:
+        await self.clients.send(live.peer, self.delta(live, chunk))
+
+    def delta(self, live: _Live, chunk: Any) -> P.Delta:
+        """The Delta that streams `chunk` to the request's client (the first one carries the prompt's ids)."""
         lps = None if chunk.logprobs is None else [[lp.token_id, lp.logprob, [list(t) for t in lp.top]]
                                                    for lp in chunk.logprobs]
         first = not live.sent_first
         live.sent_first = True
-        await self.clients.send(live.peer, P.Delta(
-            live.creq, chunk.text, list(chunk.token_ids), lps, chunk.finish_reason,
-            chunk.usage.to_dict() if chunk.usage is not None else None, chunk.error,
-            list(live.state.prompt_ids) if first else None))
+        return P.Delta(live.creq, chunk.text, list(chunk.token_ids), lps, chunk.finish_reason,
+                       chunk.usage.to_dict() if chunk.usage is not None else None, chunk.error,
+                       list(live.state.prompt_ids) if first else None)
+
+    async def send_deltas(self, peer: bytes, deltas: list[P.Delta]) -> None:
+        """One frame for a client: its Delta, or a DeltaBatch of several."""
+        await self.clients.send(peer, deltas[0] if len(deltas) == 1 else P.DeltaBatch(deltas))
 
     async def end(self, live: _Live, ev: Ended, tell_replica: bool) -> None:
         """Ends a live request with an abort or an error, telling the client (and the replica)."""

@@ -4,7 +4,8 @@ Hello is answered with Assign (or Shutdown for a worker that has no place: a str
 mismatched routing id, a router that is stopping); Ready completes a replica; LoadFailed ends it (for good
 when a restart cannot help). Heartbeats are echoed only to registered workers, and an unknown one is told to
 stop. Each StepTokens is fed, token by token, to its request's RequestState, and the resulting chunks stream to
-the clients; tokens of aborted requests and late ones from a dead generation are dropped.
+the clients, one frame per client per step; tokens of aborted requests and late ones from a dead generation are
+dropped.
 """
 from __future__ import annotations
 
@@ -22,6 +23,18 @@ log = logging.getLogger("mii_async.router")
 # Load failures that a restart cannot fix (others, such as an out-of-memory while an old process's memory is
 # still being freed, get the supervisor's restart with backoff).
 PERMANENT_LOAD_ERRORS = ("invalid_parameter", "request_too_long", "model_not_found", "unsupported_model")
+
+
+# A DeltaBatch is sent once its deltas reach this estimate: first deltas carry their prompt's ids, and a step
+# may start hundreds of requests with long (prefix-cached) prompts; the frame limit is 16 MiB.
+BATCH_BYTES = 2**20
+
+
+def _delta_bytes(d: P.Delta) -> int:
+    """A Delta's frame size, roughly: 4 bytes a token id, the text, ~24 bytes a logprob entry, the rest."""
+    ids = len(d.token_ids) + (len(d.prompt_ids) if d.prompt_ids is not None else 0)
+    lps = sum(2 + len(x[2]) for x in d.logprobs) if d.logprobs else 0
+    return 64 + 4 * ids + 4 * len(d.text) + 24 * lps
 
 
 class _TokenEvent(NamedTuple):      # what RequestState.on_event reads from a sampled token
@@ -112,6 +125,9 @@ class WorkerLink:
                 msg.logprobs is not None and len(msg.logprobs) != n):
             log.warning("malformed StepTokens from %r", peer)
             return
+        # A client's deltas of this step go out as one frame (DeltaBatch) after the step's tokens are read,
+        # one frame per BATCH_BYTES of token ids and text.
+        batches: dict[bytes, tuple[list[P.Delta], list[int]]] = {}
         for i, rid in enumerate(msg.req_ids):
             live = r.live.get(rid)
             if live is None or live.state is None or not self._from_replica(peer, live):
@@ -121,9 +137,17 @@ class WorkerLink:
                              msg.finish_reasons[i], msg.cached_tokens[i])
             chunk = live.state.on_event(ev)
             if chunk is not None:
-                await r.send_chunk(live, chunk)
+                d = r.delta(live, chunk)
+                deltas, size = batches.setdefault(live.peer, ([], [0]))
+                deltas.append(d)
+                size[0] += _delta_bytes(d)
+                if size[0] >= BATCH_BYTES:
+                    await r.send_deltas(live.peer, deltas)
+                    del batches[live.peer]
             if live.state.needs_abort:
                 live.state.needs_abort = False
                 await r.workers_sock.send(peer, P.AbortRequest(rid))
             if live.state.finished:
                 r.forget(live)
+        for client, (deltas, _) in batches.items():
+            await r.send_deltas(client, deltas)

@@ -57,7 +57,7 @@ def test_router_survives_malformed_frames(deployment):
         sent["n"] += 1
         while s.poll(0):
             reply = P.decode(s.recv())
-            assert isinstance(reply, (P.ErrorReply, P.Delta, P.QueryReply))
+            assert isinstance(reply, (P.ErrorReply, P.Delta, P.DeltaBatch, P.QueryReply))
 
     fuzz()
     s.close()
