@@ -214,10 +214,9 @@ class Engine:
     def _launch(self, prev: _InFlight | None, between_layers: Callable[[], None] | None = None) -> _InFlight | None:
         """Schedules a step and enqueues its forward pass and sampling; each sampled sequence gets a placeholder
         id until `_read`. `prev`: the step still in flight, whose ids the placeholders in this plan stand for.
-        The plan is committed before the forward pass, which reads only the plan's own copies:
-        `between_layers`, called between the layers of an eager forward, may read `prev` (and `emit` abort
+        `between_layers`, called between the layers of an eager forward, may read `prev` (and `emit` may abort
         requests): the forward reads only the plan's own copies. A sequence that ends then still has its row
-        in this step, which its read drops. The plan is committed once the whole forward is enqueued: a
+        in this step, which its read drops. The plan is committed once the whole forward is enqueued, so a
         forward that raises midway leaves no block it did not write findable in the prefix cache."""
         plan = self.scheduler.schedule()
         if not plan:
