@@ -114,8 +114,9 @@ class Engine:
             self.runner.graphs.capture()
         if self.memory_plan is not None:
             measured = self.runner.graphs.memory if self.runner.graphs else 0
-            log.info("%s; graphs measured %.2f GiB; token budget %d per step, %d sequences at most",
-                     self.memory_plan.describe(), measured / 2**30, sched.max_batch_tokens, sched.max_num_seqs)
+            log.info("%s; graphs measured %.2f GiB; token budget %d per step (%d while requests decode), %d "
+                     "sequences at most", self.memory_plan.describe(), measured / 2**30, sched.max_batch_tokens,
+                     sched.max_mixed_batch_tokens, sched.max_num_seqs)
         self.seqs: dict[int, Sequence] = {}
         self.num_steps = 0
         self.async_scheduling = (sched.async_scheduling if sched.async_scheduling is not None
