@@ -268,6 +268,12 @@ class AsyncClient:
         and per replica under "replicas"."""
         return await self._query("stats")
 
+    async def reset_prefix_cache(self) -> dict:
+        """Every ready replica forgets the prefixes of the KV blocks no request holds (what a benchmark does
+        between runs of the same prompts); requests running meanwhile are not disturbed. Returns the fresh
+        counters, with `prefix_blocks_forgotten`. Concurrency and cancellation are those of `stats()`."""
+        return await self._query("reset_prefix_cache")
+
     async def terminate_server(self, drain_s: float = 10.0) -> None:
         """Stops the deployment: live requests get up to `drain_s` to finish, then end with "abort"; every
         router and worker process exits. Returns once the router has exited when this client started it."""

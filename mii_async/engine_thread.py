@@ -49,6 +49,12 @@ class EngineThread:
         self._cmds.put(("stats", fut))
         return fut.result(timeout=60)
 
+    def reset_prefix_cache(self) -> int:
+        """The engine forgets the prefixes of the blocks no request holds; returns how many."""
+        fut: Future[int] = Future()
+        self._cmds.put(("reset_prefix_cache", fut))
+        return fut.result(timeout=60)
+
     def close(self) -> None:
         """Ends every live request with finish_reason "abort" and stops the thread. Idempotent."""
         if self._closed:
@@ -92,6 +98,8 @@ class EngineThread:
                 self._end(cmd[1], Ended("abort"))
         elif kind == "stats":
             cmd[1].set_result(self.engine.stats())
+        elif kind == "reset_prefix_cache":
+            cmd[1].set_result(self.engine.reset_prefix_cache())
 
     def _step(self) -> None:
         try:

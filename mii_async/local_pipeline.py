@@ -86,6 +86,11 @@ class Pipeline:
         """KV pool and scheduler counters (blocks used/free, prefix hits, preemptions, …)."""
         return self._engine.stats()
 
+    def reset_prefix_cache(self) -> int:
+        """Forgets the prefixes of the KV blocks no request holds (a benchmark's rerun of the same prompts
+        then computes them again); returns how many blocks were forgotten."""
+        return self._engine.reset_prefix_cache()
+
     def close(self) -> None:
         self._engine.close()
 

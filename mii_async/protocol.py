@@ -81,7 +81,7 @@ class ErrorReply:
 class Query:
     """Client → router: a question about the deployment, answered by a QueryReply with the same req_id."""
     req_id: str
-    what: str                                      # "ping" | "health" | "stats"
+    what: str                                      # "ping" | "health" | "stats" | "reset_prefix_cache"
 
 
 @dataclass
@@ -127,6 +127,7 @@ class LoadFailed:
 class StatsQuery:
     """Router → replica leader: report the engine's counters now (after every earlier message)."""
     token: int
+    reset_prefix_cache: bool = False               # first forget the prefixes of the blocks no request holds
 
 
 @dataclass

@@ -47,6 +47,19 @@ def test_64_concurrent_streams_equal_generate(deployment):
         assert "\ufffd" not in text
 
 
+def test_reset_prefix_cache_makes_a_repeated_prompt_compute_again(deployment):
+    """A repeated prompt comes from the prefix cache; after reset_prefix_cache it is computed again (0 cached
+    tokens), with the same greedy tokens."""
+    prompt = [1] + [(37 * i) % 4000 + 100 for i in range(70)]
+    first = deployment([prompt], max_new_tokens=4)[0]
+    again = deployment([prompt], max_new_tokens=4)[0]
+    assert again.usage.cached_tokens == 64 and again.token_ids == first.token_ids
+    reset = deployment.run(deployment.reset_prefix_cache())
+    assert reset["prefix_blocks_forgotten"] >= 4 and reset["replicas"]["0"]["cached_blocks"] == 0
+    cold = deployment([prompt], max_new_tokens=4)[0]
+    assert cold.usage.cached_tokens == 0 and cold.token_ids == first.token_ids
+
+
 def test_remote_equals_local_pipeline(deployment, default_pipe):
     """Through the mesh, text, tokens, logprobs and stop strings are what the in-process pipeline gives."""
     prompts = ["The capital of France is", "List three colours:"]

@@ -147,6 +147,15 @@ def test_cancelling_agenerate_frees_kv(default_pipe):
     assert asyncio.run(main())
 
 
+def test_reset_prefix_cache(default_pipe):
+    """The local pipeline's reset_prefix_cache: a repeated prompt's blocks are forgotten and computed again."""
+    prompt = [1] + [(53 * i) % 4000 + 100 for i in range(40)]
+    default_pipe([prompt], max_new_tokens=2)
+    assert default_pipe([prompt], max_new_tokens=2)[0].usage.cached_tokens == 32
+    assert default_pipe.reset_prefix_cache() >= 2 and default_pipe.stats()["cached_blocks"] == 0
+    assert default_pipe([prompt], max_new_tokens=2)[0].usage.cached_tokens == 0
+
+
 def test_request_errors_name_the_parameter(default_pipe):
     """Impossible or malformed requests fail at once with an error naming the parameter; the engine lives on."""
     with pytest.raises(RequestTooLongError, match="max_new_tokens"):

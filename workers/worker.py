@@ -147,8 +147,10 @@ class Worker:
         elif isinstance(msg, P.AbortRequest):
             eng.abort(msg.req_id)
         elif isinstance(msg, P.StatsQuery):
+            forgotten = eng.reset_prefix_cache() if msg.reset_prefix_cache else None
             self.stats = eng.stats()
-            self.sock.send(P.StatsReport(msg.token, self.replica, self.stats))
+            report = self.stats if forgotten is None else {**self.stats, "prefix_blocks_forgotten": forgotten}
+            self.sock.send(P.StatsReport(msg.token, self.replica, report))
         elif isinstance(msg, P.Shutdown):
             log.info("replica %d rank %d: shutdown", self.replica, self.rank)
             self._stop.set()

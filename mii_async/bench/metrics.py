@@ -93,10 +93,12 @@ def summarize(records: list[RequestRecord], t0: float, *, goodput: dict[str, flo
                 fastgen[rate] += _ema_ok(gaps, counts, rate, ema_span)
     total_in = sum(r.prompt_len for r in done)
     total_out = sum(r.output_tokens for r in done)
+    cached = [r.cached_tokens for r in done]
     streamed = [r.streamed_tokens for r in done]
     out: dict[str, Any] = {
         "completed": len(done), "failed": len(records) - len(done), "duration_s": duration,
         "total_input_tokens": total_in, "total_output_tokens": total_out,
+        "total_cached_prompt_tokens": None if any(c is None for c in cached) else sum(cached),
         "total_streamed_tokens": None if any(s is None for s in streamed) else sum(streamed),
         "request_throughput": len(done) / duration, "output_throughput": total_out / duration,
         "total_token_throughput": (total_in + total_out) / duration,

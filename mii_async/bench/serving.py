@@ -102,6 +102,8 @@ def _print_table(run: dict[str, Any], percentiles: list[float]) -> None:
                                                                  if run.get("max_concurrency") else "")),
             ("Successful requests", run["completed"]), ("Failed requests", run["failed"]),
             ("Duration (s)", f"{run['duration_s']:.2f}"), ("Total input tokens", run["total_input_tokens"]),
+            ("Prompt tokens from the prefix cache", "not reported" if run["total_cached_prompt_tokens"] is None
+             else run["total_cached_prompt_tokens"]),
             ("Total output tokens", run["total_output_tokens"]),
             ("Request throughput (req/s)", f"{run['request_throughput']:.2f}"),
             ("Output token throughput (tok/s)", f"{run['output_throughput']:.1f}"),
@@ -147,10 +149,12 @@ async def _bench(a: argparse.Namespace, target: Any, reqs: list[BenchRequest], r
                 raise InvalidParameterError("target", f"the warm-up request failed: {rec.error}")
         runs, raw = [], []
         for rate in rates:
+            forgotten = await target.reset_prefix_cache() if a.reset_prefix_cache else None
             records, t0 = await run_once(target, reqs, rate=rate, burstiness=a.burstiness, seed=a.seed,
                                          max_concurrency=a.max_concurrency, ignore_eos=a.ignore_eos,
                                          temperature=a.temperature, progress=not a.no_progress)
             run = {"request_rate": rate, "burstiness": a.burstiness, "max_concurrency": a.max_concurrency,
+                   "prefix_blocks_forgotten": forgotten,
                    **summarize(records, t0, goodput=slos, percentiles=percentiles, ema_span=a.ema_span)}
             runs.append(run)
             raw.append((records, t0))
@@ -277,6 +281,9 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     s.add_argument("--request-rate", default="inf", help="requests/s, or a comma list to sweep; inf: all at once")
     s.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps: 1 is Poisson")
     s.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    s.add_argument("--reset-prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="before each run the target forgets its cached prefixes, so that a sweep's later rates "
+                        "(the same prompts) and the warm-up hit nothing a run did not compute itself")
     s.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="one short request before timing (default: yes)")
     m = p.add_argument_group("metrics and results")

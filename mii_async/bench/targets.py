@@ -28,6 +28,7 @@ class RequestRecord:
     chunk_times: list[float] = field(default_factory=list)   # perf_counter() of each chunk with tokens
     chunk_tokens: list[int] | None = field(default_factory=list)   # tokens per chunk; None: not reported
     output_tokens: int = 0           # the server's completion token count
+    cached_tokens: int | None = None  # prompt tokens the server took from its prefix cache; None: not reported
     error: str | None = None
 
     @property
@@ -78,10 +79,15 @@ class RouterTarget:
                         rec.error = c.error or "error"
                     if c.usage is not None:
                         rec.output_tokens, rec.prompt_len = c.usage.completion_tokens, c.usage.prompt_tokens
+                        rec.cached_tokens = c.usage.cached_tokens
         except Exception as exc:  # noqa: BLE001 - a refused request is a failed request, counted
             rec.error = f"{type(exc).__name__}: {exc}"
         rec.end = time.perf_counter()
         return rec
+
+    async def reset_prefix_cache(self) -> int:
+        """The deployment forgets its cached prefixes (free blocks); returns how many blocks."""
+        return (await self.client.reset_prefix_cache()).get("prefix_blocks_forgotten", 0)
 
     async def close(self) -> None:
         if self._own:
@@ -150,6 +156,13 @@ class OpenAITarget:
         if ev.get("usage"):
             rec.output_tokens = ev["usage"]["completion_tokens"]
             rec.prompt_len = ev["usage"]["prompt_tokens"]
+            rec.cached_tokens = (ev["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+
+    async def reset_prefix_cache(self) -> int:
+        r = await self.http.post("/reset_prefix_cache")
+        if r.status_code != 200:
+            raise UnavailableError(f"POST {self.base}/reset_prefix_cache answered {r.status_code}: {r.text[:200]}")
+        return r.json().get("prefix_blocks_forgotten", 0)
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -175,19 +188,29 @@ class WebSocketTarget:
         self._conns.append(conn)
         return {"model": await asyncio.get_running_loop().run_in_executor(None, self._model_name)}
 
-    def _model_name(self) -> str | None:
-        """The served model's name, from the same gateway's /v1/models (None if it does not say)."""
+    def _http(self, path: str, method: str = "GET") -> Any:
+        """A JSON request to the same gateway over HTTP (blocking: run it in an executor)."""
         import urllib.request
 
         base = self.url.split("/v1/ws", 1)[0].replace("ws", "http", 1)
-        req = urllib.request.Request(base + "/v1/models", headers={"Authorization": f"Bearer {self.api_key}"}
+        req = urllib.request.Request(base + path, method=method, headers={"Authorization": f"Bearer {self.api_key}"}
                                      if self.api_key else {})
+        with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+            return json.loads(r.read())
+
+    def _model_name(self) -> str | None:
+        """The served model's name, from the same gateway's /v1/models (None if it does not say)."""
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
-                data = json.loads(r.read()).get("data") or [{}]
-            return data[0].get("id")
+            return (self._http("/v1/models").get("data") or [{}])[0].get("id")
         except (OSError, ValueError):
             return None
+
+    async def reset_prefix_cache(self) -> int:
+        try:
+            r = await asyncio.get_running_loop().run_in_executor(None, self._http, "/reset_prefix_cache", "POST")
+        except (OSError, ValueError) as exc:
+            raise UnavailableError(f"POST /reset_prefix_cache on {self.label[10:]} failed: {exc}") from None
+        return r.get("prefix_blocks_forgotten", 0)
 
     async def _conn(self) -> _WsConn:
         async with self._lock:
@@ -210,6 +233,7 @@ class WebSocketTarget:
                     usage = frame.get("usage") or {}
                     rec.output_tokens = usage.get("completion_tokens") or 0
                     rec.prompt_len = usage.get("prompt_tokens") or rec.prompt_len
+                    rec.cached_tokens = usage.get("cached_tokens")
                     if frame.get("finish_reason") == "error":
                         rec.error = frame.get("error") or "error"
                 elif frame["type"] == "error":

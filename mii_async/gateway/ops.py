@@ -1,4 +1,5 @@
-"""Operations: GET /health (200 when the deployment can take requests, else 503) and GET /metrics."""
+"""Operations: GET /health (200 when the deployment can take requests, else 503), GET /metrics, and
+POST /reset_prefix_cache (every replica forgets the prefixes of its free KV blocks: benchmarks' reruns)."""
 from __future__ import annotations
 
 import asyncio
@@ -40,3 +41,17 @@ async def metrics(request: Request) -> Response:
             stats = None
     s.metrics.observe_deployment(h, stats)
     return Response(s.metrics.render(), media_type=metrics_content_type())
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request) -> JSONResponse:
+    """200 {"prefix_blocks_forgotten": N, "replicas": {...}}: each ready replica forgot the prefixes of the
+    KV blocks no request holds (as vLLM's /reset_prefix_cache and SGLang's /flush_cache); 503 when the router
+    does not answer."""
+    s: GatewayState = request.app.state.gateway
+    try:
+        r = await asyncio.wait_for(s.client.reset_prefix_cache(), 30.0)
+    except Exception as exc:  # noqa: BLE001 - reported to the caller, the gateway carries on
+        return JSONResponse({"error": f"the router did not answer: {exc or type(exc).__name__}"}, status_code=503)
+    return JSONResponse({"prefix_blocks_forgotten": r.get("prefix_blocks_forgotten", 0),
+                         "replicas": {k: v.get("prefix_blocks_forgotten", 0) for k, v in r.get("replicas", {}).items()}})

@@ -267,6 +267,8 @@ class Router:
             result = self.health()
         elif msg.what == "stats":
             result = await self.stats()
+        elif msg.what == "reset_prefix_cache":
+            result = await self.stats(reset_prefix_cache=True)
         else:
             await self.clients.send(peer, P.ErrorReply(msg.req_id, "invalid_parameter",
                                                        f"what: unknown query {msg.what!r}", "what"))
@@ -301,14 +303,15 @@ class Router:
                 "live_requests": len(self.live), "queued_tokens": self.queued_tokens,
                 "bad_frames": self.clients.bad_frames + self.workers_sock.bad_frames, **self.counters}
 
-    async def stats(self) -> dict:
-        """Fresh engine counters from every ready replica (each answers after the messages sent before)."""
+    async def stats(self, reset_prefix_cache: bool = False) -> dict:
+        """Fresh engine counters from every ready replica (each answers after the messages sent before);
+        with `reset_prefix_cache`, each first forgets the prefixes of its free blocks."""
         token = next(self._tokens)
         ready = [r for r in self.replicas.ready() if r.leader is not None]
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._stats_waiters[token] = (fut, {r.index for r in ready}, {})
         for rep in ready:
-            await self.workers_sock.send(rep.leader, P.StatsQuery(token))
+            await self.workers_sock.send(rep.leader, P.StatsQuery(token, reset_prefix_cache))
         try:
             per = await asyncio.wait_for(fut, STATS_TIMEOUT_S) if ready else {}
         except asyncio.TimeoutError:

@@ -88,14 +88,26 @@ def test_each_target_of_a_running_deployment(kind, deployment, gateway_url, tmp_
     target = {"router": deployment.address, "openai": gateway_url,
               "websocket": gateway_url.replace("http://", "ws://")}[kind]
     out = tmp_path / "r.json"
-    assert bench(["--target", target, *SMALL, "--request-rate", "50", "--max-concurrency", "4",
+    assert bench(["--target", target, *SMALL, "--request-rate", "50,inf", "--max-concurrency", "4",
                   "--goodput", "ttft:1", "--result-json", str(out)]) == 0
     r = json.loads(out.read_text())
-    run = r["runs"][0]
-    _check_run(run, run["total_output_tokens"], streamed=kind != "openai")
-    assert 4 * 6 <= run["total_output_tokens"] <= 12 * 6
-    assert run["request_goodput"] == 0                       # nobody gets a first token within 1 ms
+    for run in r["runs"]:
+        _check_run(run, run["total_output_tokens"], streamed=kind != "openai")
+        assert 4 * 6 <= run["total_output_tokens"] <= 12 * 6
+        assert run["request_goodput"] == 0                       # nobody gets a first token within 1 ms
+        # The second rate sends the same prompts: the reset before each run leaves it nothing cached.
+        assert run["total_cached_prompt_tokens"] == 0 and run["prefix_blocks_forgotten"] >= 0
+    assert r["runs"][1]["prefix_blocks_forgotten"] > 0          # the first run's prompts and outputs
     assert r["model"] and r["target"].startswith(kind)
+
+
+def test_without_the_reset_a_sweep_hits_its_own_prompts(deployment, tmp_path):
+    """--no-reset-prefix-cache: the second rate's prompts come from the prefix cache (what the reset avoids)."""
+    out = tmp_path / "r.json"
+    assert bench(["--target", deployment.address, *SMALL, "--seed", "6", "--request-rate", "50,inf",
+                  "--no-reset-prefix-cache", "--result-json", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert runs[1]["total_cached_prompt_tokens"] > 0 and runs[1]["prefix_blocks_forgotten"] is None
 
 
 def test_bad_arguments_are_clear_errors(tmp_path, capsys):

@@ -72,6 +72,22 @@ def test_health_and_metrics(gateway_url):
     assert ("mii_async_queue_depth", ()) in after and ("mii_async_requests_in_flight", (("api", "generate"),)) in after
 
 
+def test_reset_prefix_cache_route(gateway_url):
+    """POST /reset_prefix_cache: the replicas forget their cached prefixes; a repeated prompt is then computed
+    again (no cached tokens in its usage)."""
+    model = httpx.get(f"{gateway_url}/v1/models", timeout=10).json()["data"][0]["id"]
+    body = {"model": model, "prompt": "The quick brown fox jumps over the lazy dog. " * 6, "max_tokens": 3,
+            "temperature": 0}
+    httpx.post(f"{gateway_url}/v1/completions", json=body, timeout=60)
+    again = httpx.post(f"{gateway_url}/v1/completions", json=body, timeout=60).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    r = httpx.post(f"{gateway_url}/reset_prefix_cache", timeout=30)
+    assert r.status_code == 200 and r.json()["prefix_blocks_forgotten"] > 0 and set(r.json()["replicas"]) == {"0"}
+    cold = httpx.post(f"{gateway_url}/v1/completions", json=body, timeout=60).json()
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert cold["choices"][0]["text"] == again["choices"][0]["text"]
+
+
 def test_api_key_on_every_route(small):
     """With an API key, every route (the page, static files, health, metrics, REST, OpenAI, the WebSocket)
     answers 401 without it or with a wrong one, and works with it as a bearer token, X-API-Key or api_key=."""
