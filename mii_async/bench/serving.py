@@ -149,7 +149,7 @@ async def _bench(a: argparse.Namespace, target: Any, reqs: list[BenchRequest], r
                 raise InvalidParameterError("target", f"the warm-up request failed: {rec.error}")
         runs, raw = [], []
         for rate in rates:
-            forgotten = await target.reset_prefix_cache() if a.reset_prefix_cache else None
+            forgotten = await _reset_prefix_cache(target) if a.reset_prefix_cache else None
             records, t0 = await run_once(target, reqs, rate=rate, burstiness=a.burstiness, seed=a.seed,
                                          max_concurrency=a.max_concurrency, ignore_eos=a.ignore_eos,
                                          temperature=a.temperature, progress=not a.no_progress)
@@ -162,6 +162,14 @@ async def _bench(a: argparse.Namespace, target: Any, reqs: list[BenchRequest], r
     finally:
         await target.close()
     return {"target": target.label, **info, "runs": runs}, raw
+
+
+async def _reset_prefix_cache(target: Any) -> int:
+    try:
+        return await target.reset_prefix_cache()
+    except MIIAsyncError as exc:
+        raise InvalidParameterError("reset_prefix_cache", f"the target could not reset its prefix cache ({exc}); "
+                                    "--no-reset-prefix-cache measures without the reset") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,8 @@ import asyncio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from ..errors import MIIAsyncError
+from .http_errors import HTTPError
 from .metrics import metrics_content_type
 from .state import GatewayState
 
@@ -51,7 +53,8 @@ async def reset_prefix_cache(request: Request) -> JSONResponse:
     s: GatewayState = request.app.state.gateway
     try:
         r = await asyncio.wait_for(s.client.reset_prefix_cache(), 30.0)
-    except Exception as exc:  # noqa: BLE001 - reported to the caller, the gateway carries on
-        return JSONResponse({"error": f"the router did not answer: {exc or type(exc).__name__}"}, status_code=503)
+    except (asyncio.TimeoutError, MIIAsyncError) as exc:
+        raise HTTPError(503, f"the router did not answer: {exc or 'timed out'}", "service_unavailable_error",
+                        code="unavailable") from None
     return JSONResponse({"prefix_blocks_forgotten": r.get("prefix_blocks_forgotten", 0),
                          "replicas": {k: v.get("prefix_blocks_forgotten", 0) for k, v in r.get("replicas", {}).items()}})
