@@ -41,6 +41,21 @@ class Tokenizer(Protocol):
                ) -> str: ...
 
 
+def _backend_decode(tokenizer: Tokenizer, skip_special_tokens: bool):
+    """A transformers fast tokenizer whose decoding nothing in its class customizes is its `tokenizers`
+    backend's decode plus an optional space clean-up, which we turn off: call the backend directly (1 µs against
+    3 µs a call; the router decodes twice per token). None for any other tokenizer."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not getattr(tokenizer, "is_fast", False):
+        return None
+    mro = type(tokenizer).__mro__
+    owner = {name: next((c.__name__ for c in mro if name in c.__dict__), None) for name in ("decode", "_decode")}
+    if owner != {"decode": "PreTrainedTokenizerBase", "_decode": "TokenizersBackend"} and \
+            owner != {"decode": "PreTrainedTokenizerBase", "_decode": "PreTrainedTokenizerFast"}:
+        return None
+    return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
 class Delta(NamedTuple):
     text: str  # new text safe to show now (may be "")
     stopped: bool  # a stop string was matched: the request must end, finish_reason "stop"
@@ -58,6 +73,7 @@ class IncrementalDetokenizer:
                  include_stop_str_in_output: bool = False, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._fast = _backend_decode(tokenizer, skip_special_tokens)
         self._stop = tuple(s for s in stop if s)  # "" would match everywhere; validation happens upstream
         self._include_stop = include_stop_str_in_output
 
@@ -105,6 +121,8 @@ class IncrementalDetokenizer:
     # ---- layer 1: ids → text -------------------------------------------------------------------------
 
     def _decode(self, ids: list[int]) -> str:
+        if self._fast is not None:
+            return self._fast(ids)
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens,
                                       clean_up_tokenization_spaces=False)
 

@@ -236,3 +236,21 @@ def test_batched_push_equals_one_by_one_with_stops(tok, text, data, include):
         deltas, rest = run(detok, chunks)
         results.append(("".join(d.text for d in deltas) + rest, deltas[-1].stop_str if deltas else None))
     assert results[0] == results[1] == results[2] == reference_stop(full, stop, include)
+
+
+def test_the_backend_fast_path_is_taken_only_where_decoding_is_not_customized(tok):
+    """The default tokenizer decodes through its `tokenizers` backend directly (what the full-decode tests
+    above check against transformers' own decode); a subclass that overrides decode is left to it."""
+    from mii_async.router.detokenizer import _backend_decode
+
+    assert _backend_decode(tok, True) is not None and IncrementalDetokenizer(tok, [])._fast is not None
+
+    class Custom(type(tok)):
+        def decode(self, token_ids, **kw):
+            return "x" * len(token_ids)
+
+    custom = object.__new__(Custom)
+    custom.__dict__.update(tok.__dict__)
+    assert _backend_decode(custom, True) is None
+    detok = IncrementalDetokenizer(custom, [])
+    assert detok._fast is None and detok.push([5]).text == "x" and detok.push([6, 7]).text == "xx"
