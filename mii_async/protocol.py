@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, Union
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2                  # 2: DeltaBatch, StatsQuery.reset_prefix_cache
 MAX_FRAME_BYTES = 16 * 2**20          # also the sockets' ZMQ_MAXMSGSIZE
 MAX_ITEMS = 1 << 20                    # longest msgpack array or map, and bin length in ids
 

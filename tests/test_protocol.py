@@ -48,24 +48,25 @@ def test_token_ids_are_packed():
     assert isinstance(frame["prompt_ids"], bytes) and len(frame["prompt_ids"]) == 4000
 
 
+V = p.PROTOCOL_VERSION
 BAD = [
     b"", b"\xc1", b"\x00", msgpack.packb([1, 2]),
     msgpack.packb({"v": 99, "t": "Abort", "req_id": "x"}),
-    msgpack.packb({"v": 1, "t": "Pickle", "req_id": "x"}),
-    msgpack.packb({"v": 1, "t": "Abort"}),
-    msgpack.packb({"v": 1, "t": "Abort", "req_id": 5}),
-    msgpack.packb({"v": 1, "t": "Abort", "req_id": "x", "extra": 1}),
-    msgpack.packb({"v": 1, "t": "AddRequest", "req_id": 1, "prompt_ids": b"abc"}),
-    msgpack.packb({"v": 1, "t": "AddRequest", "req_id": True, "prompt_ids": b""}),
-    msgpack.packb({"v": 1, "t": "StepTokens", "req_ids": ["a"], "token_ids": b""}),
-    msgpack.packb({"v": 1, "t": "StepTokens", "req_ids": [1], "token_ids": b"", "cached_tokens": [True]}),
-    msgpack.packb({"v": 1, "t": "Abort", "req_id": "x", b"raw": 1}),
-    msgpack.packb({"v": 1, "t": "DeltaBatch", "deltas": [{"req_id": "a", "text": 5}]}),
-    msgpack.packb({"v": 1, "t": "DeltaBatch", "deltas": [{"req_id": "a"}]}),
-    msgpack.packb({"v": 1, "t": "DeltaBatch", "deltas": [{"req_id": "a", "text": "", "token_ids": b"abc"}]}),
-    msgpack.packb({"v": 1, "t": "DeltaBatch", "deltas": [{"v": 1, "t": "Delta", "req_id": "a", "text": ""}]}),
-    msgpack.packb({"v": 1, "t": "DeltaBatch", "deltas": ["Delta"]}),
-    msgpack.packb({"v": 1, "t": "DeltaBatch", "deltas": {"req_id": "a", "text": ""}}),
+    msgpack.packb({"v": V, "t": "Pickle", "req_id": "x"}),
+    msgpack.packb({"v": V, "t": "Abort"}),
+    msgpack.packb({"v": V, "t": "Abort", "req_id": 5}),
+    msgpack.packb({"v": V, "t": "Abort", "req_id": "x", "extra": 1}),
+    msgpack.packb({"v": V, "t": "AddRequest", "req_id": 1, "prompt_ids": b"abc"}),
+    msgpack.packb({"v": V, "t": "AddRequest", "req_id": True, "prompt_ids": b""}),
+    msgpack.packb({"v": V, "t": "StepTokens", "req_ids": ["a"], "token_ids": b""}),
+    msgpack.packb({"v": V, "t": "StepTokens", "req_ids": [1], "token_ids": b"", "cached_tokens": [True]}),
+    msgpack.packb({"v": V, "t": "Abort", "req_id": "x", b"raw": 1}),
+    msgpack.packb({"v": V, "t": "DeltaBatch", "deltas": [{"req_id": "a", "text": 5}]}),
+    msgpack.packb({"v": V, "t": "DeltaBatch", "deltas": [{"req_id": "a"}]}),
+    msgpack.packb({"v": V, "t": "DeltaBatch", "deltas": [{"req_id": "a", "text": "", "token_ids": b"abc"}]}),
+    msgpack.packb({"v": V, "t": "DeltaBatch", "deltas": [{"v": V, "t": "Delta", "req_id": "a", "text": ""}]}),
+    msgpack.packb({"v": V, "t": "DeltaBatch", "deltas": ["Delta"]}),
+    msgpack.packb({"v": V, "t": "DeltaBatch", "deltas": {"req_id": "a", "text": ""}}),
     msgpack.ExtType(1, b"x").data,
 ]
 
@@ -75,6 +76,12 @@ def test_malformed_frames_raise_protocol_error(frame):
     """Bad version, unknown type, missing/extra/mistyped fields, bad packing, non-msgpack: ProtocolError."""
     with pytest.raises(p.ProtocolError):
         p.decode(frame)
+
+
+def test_a_frame_of_another_protocol_version_is_refused_naming_both():
+    """A peer of the previous protocol version (no DeltaBatch) gets a ProtocolError that names the versions."""
+    with pytest.raises(p.ProtocolError, match=f"protocol version {V - 1} is not {V}"):
+        p.decode(msgpack.packb({"v": V - 1, "t": "Abort", "req_id": "x"}))
 
 
 def test_oversize_frame_is_refused():
