@@ -9,6 +9,11 @@ blocks, replicas) are read from the router when /metrics is scraped.
     mii_async_requests_in_flight{api}               streams open in this gateway
     mii_async_queue_depth · mii_async_running_requests · mii_async_kv_blocks{state="used"|"free"|"cached"}
     mii_async_replica_up{replica, state}            1 for each replica in its current state
+    mii_async_prefix_cache_query_tokens_total · mii_async_prefix_cache_hit_tokens_total
+                                                    prompt tokens looked up in / served from the prefix cache
+    mii_async_preemptions_total · mii_async_engine_steps_total
+The last four are the replicas' own counters, summed, as of the scrape (a restarted replica starts again at 0,
+which Prometheus' rate() reads as a counter reset).
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import time
 from typing import AsyncIterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from ..errors import error_code
 from ..outputs import StreamChunk
@@ -26,9 +32,27 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 240.0, 480.0)
 
 
+class _EngineCounters:
+    """The replicas' cumulative engine counters, as Prometheus counters, from the stats of the last scrape."""
+    FAMILIES = (("mii_async_prefix_cache_query_tokens", "prefix_query_tokens", "Prompt tokens looked up in the prefix cache"),
+                ("mii_async_prefix_cache_hit_tokens", "prefix_hit_tokens", "Prompt tokens served from the prefix cache"),
+                ("mii_async_preemptions", "preemptions", "Running sequences preempted for lack of KV blocks"),
+                ("mii_async_engine_steps", "steps", "Engine steps run"))
+
+    def __init__(self) -> None:
+        self.stats: dict | None = None
+
+    def collect(self):
+        for name, key, doc in self.FAMILIES if self.stats is not None else ():
+            if isinstance(self.stats.get(key), int):
+                yield CounterMetricFamily(name, doc, value=self.stats[key])
+
+
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self.engine_counters = _EngineCounters()
+        r.register(self.engine_counters)
         self.requests = Counter("mii_async_requests", "Finished or refused requests", ["api", "status"], registry=r)
         self.prompt_tokens = Counter("mii_async_prompt_tokens", "Prompt tokens of finished requests", ["api"],
                                      registry=r)
@@ -89,6 +113,7 @@ class Metrics:
         for rep in health.get("replicas", []):
             self.replica_up.labels(str(rep.get("replica")), str(rep.get("state"))).set(1)
         if stats is not None:
+            self.engine_counters.stats = stats
             self.queue_depth.set(stats.get("waiting", 0))
             self.running.set(stats.get("running", 0))
             for key, state in (("used_blocks", "used"), ("free_blocks", "free"), ("cached_blocks", "cached")):
