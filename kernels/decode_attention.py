@@ -70,6 +70,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         kernel = DECODE_KERNEL
     if kernel not in DECODE_KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(DECODE_KERNELS)}, got {kernel!r}")
+    if warps not in (None, 2, 4):
+        raise ValueError(f"warps must be 2 or 4, got {warps!r}")
     s, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     g = hq // hkv
@@ -101,8 +103,6 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if one_pass == "mma":
             narrow = MMA_NARROW_FROM is not None and s * hkv >= MMA_NARROW_FROM
             nwarps = warps if warps is not None else (2 if narrow else 4)
-            if nwarps not in (2, 4):
-                raise ValueError(f"warps must be 2 or 4, got {warps!r}")
             name += "_w2" if nwarps == 2 else ""
         _launch(f"paged_attention_{one_pass}", name, q.dtype, (s, hkv, splits), (32 * nwarps,), (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(bt), _ptr(cl), _ptr(out),
                                     _ptr(part_out), _ptr(part_max), _ptr(part_sum),

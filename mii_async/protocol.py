@@ -23,6 +23,7 @@ import msgpack
 PROTOCOL_VERSION = 2                  # 2: DeltaBatch, StatsQuery.reset_prefix_cache
 MAX_FRAME_BYTES = 16 * 2**20          # also the sockets' ZMQ_MAXMSGSIZE
 MAX_ITEMS = 1 << 20                    # longest msgpack array or map, and bin length in ids
+MAX_BATCH_DELTAS = 1 << 14             # Deltas in one DeltaBatch at most (each is checked and built on decode)
 
 _IDS = {"ids": True}                   # field metadata: a packed token-id array on the wire
 
@@ -268,6 +269,8 @@ def _from_fields(name: str, frame: dict[str, Any]) -> Any:
         elif not f.check(value):
             raise ProtocolError(f"{name}.{f.name}: {type(value).__name__} does not match {f.hint}")
         elif value is not None and f.of is not None:
+            if len(value) > MAX_BATCH_DELTAS:
+                raise ProtocolError(f"{name}.{f.name}: {len(value)} entries exceed {MAX_BATCH_DELTAS}")
             value = [_from_fields(f.of, m) if isinstance(m, dict) else _not_a_map(name, f.name) for m in value]
         kwargs[f.name] = value
     if len(kwargs) < len(frame):

@@ -67,6 +67,7 @@ BAD = [
     msgpack.packb({"v": V, "t": "DeltaBatch", "deltas": [{"v": V, "t": "Delta", "req_id": "a", "text": ""}]}),
     msgpack.packb({"v": V, "t": "DeltaBatch", "deltas": ["Delta"]}),
     msgpack.packb({"v": V, "t": "DeltaBatch", "deltas": {"req_id": "a", "text": ""}}),
+    msgpack.packb({"v": V, "t": "DeltaBatch", "deltas": [{"req_id": "a", "text": ""}] * (p.MAX_BATCH_DELTAS + 1)}),
     msgpack.ExtType(1, b"x").data,
 ]
 

@@ -194,19 +194,22 @@ class Engine:
         if prev is not None and not prev.history_free:
             outputs, prev = self._read(prev), None
         early: list[list[Sequence]] = []             # the sequences N ended, once read early
+        handed: list[bool] = []                      # and [True] once `emit` returned with N's tokens
 
         def poll() -> None:
             if not early and prev is not None and prev.sample.is_ready():
                 out, finished = self._read_ids(prev)
                 early.append(finished)
                 emit(out)                           # type: ignore[misc]
+                handed.append(True)
 
         try:
             self._inflight = self._launch(prev, poll if emit is not None and prev is not None else None)
         finally:
-            # Also when the launch fails: a request whose last token went out is not left running.
-            # (`emit` may have aborted some of them: a consumer that has gone away.)
-            if early and (done := [s for s in early[0] if s.status is not Status.FINISHED]):
+            # Also when the launch fails: a request whose last token went out is not left running. One whose
+            # last token `emit` raised on stays live, for the caller's failure handling to end it (a worker
+            # tells the router). (`emit` may have aborted some of them: a consumer that has gone away.)
+            if handed and (done := [s for s in early[0] if s.status is not Status.FINISHED]):
                 self._finish(done)
         if not early and prev is not None:
             outputs = self._read(prev)

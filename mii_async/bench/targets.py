@@ -159,10 +159,15 @@ class OpenAITarget:
             rec.cached_tokens = (ev["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
 
     async def reset_prefix_cache(self) -> int:
-        r = await self.http.post("/reset_prefix_cache")
-        if r.status_code != 200:
-            raise UnavailableError(f"POST {self.base}/reset_prefix_cache answered {r.status_code}: {r.text[:200]}")
-        return r.json().get("prefix_blocks_forgotten", 0)
+        import httpx
+
+        try:
+            r = await self.http.post("/reset_prefix_cache")
+            if r.status_code != 200:
+                raise UnavailableError(f"POST {self.base}/reset_prefix_cache answered {r.status_code}: {r.text[:200]}")
+            return int(r.json().get("prefix_blocks_forgotten", 0))
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            raise UnavailableError(f"POST {self.base}/reset_prefix_cache failed: {exc!r}") from None
 
     async def close(self) -> None:
         await self.http.aclose()

@@ -9,10 +9,10 @@ blocks, replicas) are read from the router when /metrics is scraped.
     mii_async_requests_in_flight{api}               streams open in this gateway
     mii_async_queue_depth · mii_async_running_requests · mii_async_kv_blocks{state="used"|"free"|"cached"}
     mii_async_replica_up{replica, state}            1 for each replica in its current state
-    mii_async_prefix_cache_query_tokens_total · mii_async_prefix_cache_hit_tokens_total
+    mii_async_prefix_cache_query_tokens_total{replica} · mii_async_prefix_cache_hit_tokens_total{replica}
                                                     prompt tokens looked up in / served from the prefix cache
-    mii_async_preemptions_total · mii_async_engine_steps_total
-The last four are the replicas' own counters, summed, as of the scrape (a restarted replica starts again at 0,
+    mii_async_preemptions_total{replica} · mii_async_engine_steps_total{replica}
+The last four are each ready replica's own counters as of the scrape (a restarted replica starts again at 0,
 which Prometheus' rate() reads as a counter reset).
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 24
 
 
 class _EngineCounters:
-    """The replicas' cumulative engine counters, as Prometheus counters, from the stats of the last scrape."""
+    """Each replica's cumulative engine counters, as Prometheus counters, from the stats of the last scrape."""
     FAMILIES = (("mii_async_prefix_cache_query_tokens", "prefix_query_tokens", "Prompt tokens looked up in the prefix cache"),
                 ("mii_async_prefix_cache_hit_tokens", "prefix_hit_tokens", "Prompt tokens served from the prefix cache"),
                 ("mii_async_preemptions", "preemptions", "Running sequences preempted for lack of KV blocks"),
@@ -43,9 +43,13 @@ class _EngineCounters:
         self.stats: dict | None = None
 
     def collect(self):
-        for name, key, doc in self.FAMILIES if self.stats is not None else ():
-            if isinstance(self.stats.get(key), int):
-                yield CounterMetricFamily(name, doc, value=self.stats[key])
+        per = (self.stats or {}).get("replicas") or {}
+        for name, key, doc in self.FAMILIES:
+            fam = CounterMetricFamily(name, doc, labels=["replica"])
+            for replica, s in sorted(per.items()):
+                if isinstance(s.get(key), int):
+                    fam.add_metric([str(replica)], s[key])
+            yield fam
 
 
 class Metrics:

@@ -54,7 +54,7 @@ async def reset_prefix_cache(request: Request) -> JSONResponse:
     try:
         r = await asyncio.wait_for(s.client.reset_prefix_cache(), 30.0)
     except (asyncio.TimeoutError, MIIAsyncError) as exc:
-        raise HTTPError(503, f"the router did not answer: {exc or 'timed out'}", "service_unavailable_error",
+        raise HTTPError(503, f"the router did not answer: {str(exc) or 'timed out'}", "service_unavailable_error",
                         code="unavailable") from None
     return JSONResponse({"prefix_blocks_forgotten": r.get("prefix_blocks_forgotten", 0),
                          "replicas": {k: v.get("prefix_blocks_forgotten", 0) for k, v in r.get("replicas", {}).items()}})

@@ -128,26 +128,30 @@ class WorkerLink:
         # A client's deltas of this step go out as one frame (DeltaBatch) after the step's tokens are read,
         # one frame per BATCH_BYTES of token ids and text.
         batches: dict[bytes, tuple[list[P.Delta], list[int]]] = {}
-        for i, rid in enumerate(msg.req_ids):
-            live = r.live.get(rid)
-            if live is None or live.state is None or not self._from_replica(peer, live):
-                continue                              # aborted, or a late token of a dead generation
-            lp = msg.logprobs[i] if msg.logprobs is not None else None
-            ev = _TokenEvent(msg.token_ids[i], _Logprobs(lp[0], [tuple(t) for t in lp[1]]) if lp else None,
-                             msg.finish_reasons[i], msg.cached_tokens[i])
-            chunk = live.state.on_event(ev)
-            if chunk is not None:
-                d = r.delta(live, chunk)
-                deltas, size = batches.setdefault(live.peer, ([], [0]))
-                deltas.append(d)
-                size[0] += _delta_bytes(d)
-                if size[0] >= BATCH_BYTES:
-                    await r.send_deltas(live.peer, deltas)
-                    del batches[live.peer]
-            if live.state.needs_abort:
-                live.state.needs_abort = False
-                await r.workers_sock.send(peer, P.AbortRequest(rid))
-            if live.state.finished:
-                r.forget(live)
-        for client, (deltas, _) in batches.items():
-            await r.send_deltas(client, deltas)
+        try:
+            for i, rid in enumerate(msg.req_ids):
+                live = r.live.get(rid)
+                if live is None or live.state is None or not self._from_replica(peer, live):
+                    continue                          # aborted, or a late token of a dead generation
+                lp = msg.logprobs[i] if msg.logprobs is not None else None
+                ev = _TokenEvent(msg.token_ids[i], _Logprobs(lp[0], [tuple(t) for t in lp[1]]) if lp else None,
+                                 msg.finish_reasons[i], msg.cached_tokens[i])
+                chunk = live.state.on_event(ev)
+                if chunk is not None:
+                    d = r.delta(live, chunk)
+                    deltas, size = batches.setdefault(live.peer, ([], [0]))
+                    deltas.append(d)
+                    size[0] += _delta_bytes(d)
+                    if size[0] >= BATCH_BYTES or len(deltas) >= P.MAX_BATCH_DELTAS:
+                        del batches[live.peer]
+                        await r.send_deltas(live.peer, deltas)
+                if live.state.needs_abort:
+                    live.state.needs_abort = False
+                    await r.workers_sock.send(peer, P.AbortRequest(rid))
+                if live.state.finished:
+                    r.forget(live)
+        finally:
+            # Also when a request's event raised: the deltas made so far (final ones of forgotten requests
+            # among them) still go out.
+            for client, (deltas, _) in batches.items():
+                await r.send_deltas(client, deltas)

@@ -19,6 +19,15 @@ def test_an_unknown_kernel_argument_is_refused_by_name():
                                  torch.ones(1, dtype=torch.int64), 1, 1.0, kernel="fast")
 
 
+def test_a_bad_block_width_is_refused_by_name_whatever_the_kernel():
+    q = torch.zeros(1, 4, 128)
+    cache = torch.zeros(2, 16, 1, 128)
+    for kernel in DA.DECODE_KERNELS:
+        with pytest.raises(ValueError, match="warps must be 2 or 4, got 3"):
+            K.paged_attention_decode(q, cache, cache, torch.zeros(1, 1, dtype=torch.int64),
+                                     torch.ones(1, dtype=torch.int64), 1, 1.0, kernel=kernel, warps=3)
+
+
 def test_an_unknown_environment_choice_is_refused_by_name():
     env = dict(os.environ, MII_ASYNC_DECODE="fast")
     r = subprocess.run([sys.executable, "-c", "import mii_async.kernels.cuda"], env=env, capture_output=True, text=True)

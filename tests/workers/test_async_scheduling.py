@@ -227,17 +227,41 @@ def test_a_request_whose_last_token_went_out_is_released_when_the_launch_fails(t
     engine = make_engine(tiny_model("llama"), num_blocks=256, async_scheduling=True)
     engine.add_request(0, prompts[0], SamplingParams(max_new_tokens=3, min_new_tokens=3))
     engine.add_request(1, prompts[1], SamplingParams(max_new_tokens=30, min_new_tokens=30))
-    ended = []
+    ended: list[int] = []
+    execute = engine.runner.execute
+
+    def failing(plan, ids=None, between_layers=None):
+        out = execute(plan, ids, between_layers)       # may hand the step in flight's tokens to emit
+        if ended:
+            raise _ConsumerFailed                       # the launch fails after request 0's last token went out
+        return out
+
+    def emit(batch):
+        ended.extend(o.req_id for o in batch if o.finish_reason)
+
+    engine.runner.execute = failing
+    with pytest.raises(_ConsumerFailed):
+        for _ in range(10):
+            engine.step(emit)
+    assert ended == [0] and 0 not in engine.seqs and 1 in engine.seqs
+    _abort_all(engine)
+
+
+def test_a_request_whose_last_token_emit_raised_on_stays_live(tiny_model, prompts):
+    """`emit` raises on the batch that holds a request's last token (a send that failed): that request is not
+    released, so the caller's failure handling ends it (a worker sends RequestFailed for every live one)."""
+    engine = make_engine(tiny_model("llama"), num_blocks=256, async_scheduling=True)
+    engine.add_request(0, prompts[0], SamplingParams(max_new_tokens=3, min_new_tokens=3))
+    engine.add_request(1, prompts[1], SamplingParams(max_new_tokens=30, min_new_tokens=30))
 
     def emit(batch):
         if any(o.req_id == 0 and o.finish_reason for o in batch):
-            ended.append(0)
             raise _ConsumerFailed
 
     with pytest.raises(_ConsumerFailed):
         for _ in range(10):
             engine.step(emit)
-    assert ended == [0] and 0 not in engine.seqs and 1 in engine.seqs
+    assert 0 in engine.seqs and 1 in engine.seqs
     _abort_all(engine)
 
 
