@@ -104,10 +104,11 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             narrow = MMA_NARROW_FROM is not None and s * hkv >= MMA_NARROW_FROM
             nwarps = warps if warps is not None else (2 if narrow else 4)
             name += "_w2" if nwarps == 2 else ""
-        _launch(f"paged_attention_{one_pass}", name, q.dtype, (s, hkv, splits), (32 * nwarps,), (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(bt), _ptr(cl), _ptr(out),
-                                    _ptr(part_out), _ptr(part_max), _ptr(part_sum),
-                                    _ptr(_split_counters(s * hkv, q.device)), np.int32(hq), np.int32(hkv),
-                                    np.int32(bs), np.int32(bt.shape[1]), np.int32(partition), np.float32(scale)),
+        _launch(f"paged_attention_{one_pass}", name, q.dtype, (s, hkv, splits), (32 * nwarps,),
+                (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(bt), _ptr(cl), _ptr(out),
+                 _ptr(part_out), _ptr(part_max), _ptr(part_sum),
+                 _ptr(_split_counters(s * hkv, q.device)), np.int32(hq), np.int32(hkv),
+                 np.int32(bs), np.int32(bt.shape[1]), np.int32(partition), np.float32(scale)),
                 shared_mem=nwarps * RING_BYTES_PER_WARP[one_pass] + 8 * (partition // bs + 2))  # rings, block ids
         return out
     gbound = next(b for b in (4, 8, MAX_GQA) if g <= b)       # the kernel sized for this GQA ratio

@@ -340,8 +340,10 @@ def main(argv: list[str] | None = None) -> int:
         results["graph_capture_s"] = engine.runner.graphs.capture_seconds
         results["graph_memory_gib"] = engine.runner.graphs.memory / 2**30
     steps = {"parity": lambda: parity(hf, engine), "bs1": lambda: bs1(hf, engine),
-             "offline": lambda: offline(hf, engine), "mixed": lambda: (mixed_sweep(engine, [int(b) for b in a.mixed_budgets.split(",")], a.repeat,
-                                           not a.late_tokens) if a.mixed_budgets else mixed(engine, early=not a.late_tokens)),
+             "offline": lambda: offline(hf, engine),
+             "mixed": lambda: (mixed_sweep(engine, [int(b) for b in a.mixed_budgets.split(",")], a.repeat,
+                                           not a.late_tokens)
+                               if a.mixed_budgets else mixed(engine, early=not a.late_tokens)),
              "profile": lambda: {"bs1": profile(engine, 1), "bs256": profile(engine, 256),
                                  "mixed_128_decodes_1024_prompts": profile(engine, 128, prompt_len=1024),
                                  # the mixed load's steady state: ~255 decodes over ~700 tokens, a prompt a step

@@ -34,7 +34,8 @@ _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 24
 
 class _EngineCounters:
     """Each replica's cumulative engine counters, as Prometheus counters, from the stats of the last scrape."""
-    FAMILIES = (("mii_async_prefix_cache_query_tokens", "prefix_query_tokens", "Prompt tokens looked up in the prefix cache"),
+    FAMILIES = (("mii_async_prefix_cache_query_tokens", "prefix_query_tokens",
+                 "Prompt tokens looked up in the prefix cache"),
                 ("mii_async_prefix_cache_hit_tokens", "prefix_hit_tokens", "Prompt tokens served from the prefix cache"),
                 ("mii_async_preemptions", "preemptions", "Running sequences preempted for lack of KV blocks"),
                 ("mii_async_engine_steps", "steps", "Engine steps run"))

@@ -56,5 +56,5 @@ async def reset_prefix_cache(request: Request) -> JSONResponse:
     except (asyncio.TimeoutError, MIIAsyncError) as exc:
         raise HTTPError(503, f"the router did not answer: {str(exc) or 'timed out'}", "service_unavailable_error",
                         code="unavailable") from None
-    return JSONResponse({"prefix_blocks_forgotten": r.get("prefix_blocks_forgotten", 0),
-                         "replicas": {k: v.get("prefix_blocks_forgotten", 0) for k, v in r.get("replicas", {}).items()}})
+    per = {k: v.get("prefix_blocks_forgotten", 0) for k, v in r.get("replicas", {}).items()}
+    return JSONResponse({"prefix_blocks_forgotten": r.get("prefix_blocks_forgotten", 0), "replicas": per})

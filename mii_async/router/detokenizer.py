@@ -18,7 +18,7 @@ The tokenizer is duck-typed (anything with a transformers-style `decode`), so th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
 # How many prompt ids seed the window: enough context for the first generated token to decode exactly as it
@@ -41,7 +41,7 @@ class Tokenizer(Protocol):
                ) -> str: ...
 
 
-def _backend_decode(tokenizer: Tokenizer, skip_special_tokens: bool):
+def _backend_decode(tokenizer: Tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str] | None:
     """A transformers fast tokenizer whose decoding nothing in its class customizes is its `tokenizers`
     backend's decode plus an optional space clean-up, which we turn off: call the backend directly (1 µs against
     3 µs a call; the router decodes twice per token). None for any other tokenizer."""
