@@ -84,7 +84,7 @@ def _serve(a: argparse.Namespace) -> int:
         worker_port=a.worker_port, max_queued_requests=a.max_queued_requests, drain_timeout_s=a.drain_timeout,
         curve_dir=a.curve_dir, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
         **{k: v for k in ("kv_cache_memory", "gpu_memory_utilization", "max_batch_tokens", "max_mixed_batch_tokens",
-                          "max_num_seqs") if (v := getattr(a, k)) is not None}))
+                          "max_num_seqs", "step_token_multiple") if (v := getattr(a, k)) is not None}))
     http = None
     if not a.no_http:
         http = HttpConfig(http_host=a.http_host, http_port=a.http_port, served_model_name=a.served_model_name,
@@ -205,6 +205,9 @@ def _serve_parser(sub: Any) -> None:
     s.add_argument("--max-mixed-batch-tokens", type=int, default=None,
                    help="tokens per step while requests are decoding: bounds the inter-token gap "
                         "(default: 1536 on a GPU, --max-batch-tokens on CPU)")
+    s.add_argument("--step-token-multiple", type=int, default=None,
+                   help="cut a step with prompt chunks to a multiple of this many tokens where its newest chunk "
+                        "can give up the rest (the GEMMs' tile; default: not cut)")
     s.add_argument("--max-num-seqs", type=int, default=None,
                    help="requests running at once per replica (default: 64 on CPU, 256 on a GPU)")
     _http_args(s)

@@ -79,6 +79,9 @@ class SchedulerConfig:
                                          # here (decodes themselves are never held back by it); at most
                                          # max_batch_tokens; None: on a GPU 1536, on CPU
                                          # max_batch_tokens (no separate budget)
+    step_token_multiple: int | None = None  # a step with prompt chunks is cut to a multiple of this many tokens
+                                         # (the GEMMs' tile along tokens) where its newest chunk can give up the
+                                         # rest, which goes to the next step; None: not cut
 
     DEFAULTS = {"cpu": (512, 64, None), "cuda": (2048, 256, 1536)}
 
@@ -86,6 +89,7 @@ class SchedulerConfig:
         _pos_int(self, "max_batch_tokens", optional=True)
         _pos_int(self, "max_num_seqs", optional=True)
         _pos_int(self, "max_mixed_batch_tokens", optional=True)
+        _pos_int(self, "step_token_multiple", optional=True)
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise InvalidParameterError("async_scheduling", f"must be true, false or null, got {self.async_scheduling!r}")
 
@@ -94,7 +98,7 @@ class SchedulerConfig:
         tokens, seqs, mixed = self.DEFAULTS["cuda" if device_type == "cuda" else "cpu"]
         tokens = self.max_batch_tokens or tokens
         return SchedulerConfig(tokens, self.max_num_seqs or seqs, self.async_scheduling,
-                               min(self.max_mixed_batch_tokens or mixed or tokens, tokens))
+                               min(self.max_mixed_batch_tokens or mixed or tokens, tokens), self.step_token_multiple)
 
 
 @dataclass(frozen=True)

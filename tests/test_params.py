@@ -47,7 +47,8 @@ def test_unknown_keys_are_rejected():
 @pytest.mark.parametrize("name,value", [("dtype", "int3"), ("device", "tpu"), ("block_size", 12),
                                         ("num_blocks", 0), ("max_batch_tokens", -1), ("max_num_seqs", 0),
                                         ("kv_cache_memory", 0), ("max_model_len", 0),
-                                        ("max_mixed_batch_tokens", 0)])
+                                        ("max_mixed_batch_tokens", 0), ("step_token_multiple", 0),
+                                        ("step_token_multiple", 2.5)])
 def test_bad_engine_option_names_it(name, value):
     """Bad engine options raise InvalidParameterError naming the option."""
     with pytest.raises(InvalidParameterError) as info:
@@ -63,6 +64,8 @@ def test_mixed_budget_defaults():
     assert SchedulerConfig(max_batch_tokens=1024).resolved("cuda").max_mixed_batch_tokens == 1024
     assert SchedulerConfig(max_batch_tokens=4096).resolved("cpu").max_mixed_batch_tokens == 4096
     assert SchedulerConfig(max_mixed_batch_tokens=256).resolved("cuda").max_mixed_batch_tokens == 256
+    assert SchedulerConfig().resolved("cuda").step_token_multiple is None          # off until measured
+    assert SchedulerConfig(step_token_multiple=128).resolved("cpu").step_token_multiple == 128
 
 
 def test_normalisation():

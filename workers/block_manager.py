@@ -80,6 +80,18 @@ class BlockManager:
             out.append(block)
         return out
 
+    def shrink(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Gives back the blocks at the end of `seq`'s table that its next `num_new_tokens` do not need: an
+        `append` of more tokens, undone in part before the step runs. Those blocks were just taken, so they
+        return to the front of the free list in the order `take` handed them out."""
+        keep = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        for block in reversed(seq.block_table[keep:]):
+            assert self._ref[block] == 1 and block not in self._hash_of, f"shrink of a shared block {block}"
+            self._ref[block] = 0
+            self._free[block] = None
+            self._free.move_to_end(block, last=False)
+        del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Releases every block of `seq` (finish, abort, preemption). Tail blocks are evicted first."""
         for block in reversed(seq.block_table):

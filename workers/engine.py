@@ -114,9 +114,11 @@ class Engine:
             self.runner.graphs.capture()
         if self.memory_plan is not None:
             measured = self.runner.graphs.memory if self.runner.graphs else 0
-            log.info("%s; graphs measured %.2f GiB; token budget %d per step (%d while requests decode), %d "
+            log.info("%s; graphs measured %.2f GiB; token budget %d per step (%d while requests decode%s), %d "
                      "sequences at most", self.memory_plan.describe(), measured / 2**30, sched.max_batch_tokens,
-                     sched.max_mixed_batch_tokens, sched.max_num_seqs)
+                     sched.max_mixed_batch_tokens,
+                     f"; steps cut to multiples of {m}" if (m := sched.step_token_multiple) else "",
+                     sched.max_num_seqs)
         self.seqs: dict[int, Sequence] = {}
         self.num_steps = 0
         self.async_scheduling = (sched.async_scheduling if sched.async_scheduling is not None

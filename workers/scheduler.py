@@ -141,8 +141,25 @@ class Scheduler:
             self.running.append(seq)
             chosen[id(seq)] = (seq, n)
             budget -= n
+        if (m := self.config.step_token_multiple) and m > 1:
+            self._align(chosen, m)
         self.num_preemptions += preempted
         return self._plan(list(chosen.values()), preempted)
+
+    def _align(self, chosen: dict[int, tuple[Sequence, int]], m: int) -> None:
+        """Cuts the step to a multiple of `m` tokens: the newest prompt chunk that can keep a token gives up
+        the rest (its blocks for them go back), and computes it in the next step, which takes running
+        prompts first. A GEMM along tokens costs whole tiles, so the cut tokens would have cost a partial tile
+        of their own; in the next step they fill part of one that is paid for anyway."""
+        r = sum(n for _, n in chosen.values()) % m
+        if not r:
+            return
+        for key in reversed(chosen):
+            seq, n = chosen[key]
+            if n > r:
+                chosen[key] = (seq, n - r)
+                self.bm.shrink(seq, n - r)
+                return
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -2,7 +2,7 @@
 on the very same weights, in one run (issue 6's figures; docs/benchmarks.md).
 
     python -m mii_async.bench.llama8b [--only parity,bs1,offline,mixed,profile] [--json results.json]
-        [--mixed-budgets 1024,1536,2048 --repeat 2]
+        [--mixed-budgets 1024,1536,2048] [--step-token-multiples 0,64,128] [--repeat 2]
 
 parity   last-position prefill logits (4 prompts) and one decode step against transformers' forward; greedy
          agreement over 64 tokens for 32 prompts of 128 tokens
@@ -214,20 +214,26 @@ def offline(hf, engine, n: int = 1024, hf_n: int = 256) -> dict:
             "floor_seconds_flops": flops / FLOPS, "floor_output_tok_s": n * 128 / (flops / FLOPS)}
 
 
-def mixed_sweep(engine, budgets: list[int], repeat: int, early: bool = True) -> dict:
-    """The mixed load once per (repeat, mixed budget), budgets interleaved so that the device's drift (power
-    cap, clocks) falls on all of them alike; the scheduler's `max_mixed_batch_tokens` is set between runs."""
+def mixed_sweep(engine, budgets: list[int | None], multiples: list[int], repeat: int, early: bool = True) -> dict:
+    """The mixed load once per (repeat, mixed budget, step token multiple), the variants interleaved so that
+    the device's drift (power cap, clocks) falls on all of them alike; the scheduler's
+    `max_mixed_batch_tokens` and `step_token_multiple` (0: not cut) are set between runs. A budget of None
+    keeps the engine's."""
     sched = engine.scheduler
     start, runs = sched.config, {}
     mixed(engine, n=64, early=early)             # warm-up: the first eager steps of each shape
     try:
         for r in range(repeat):
             for b in budgets:
-                sched.config = dataclasses.replace(start, max_mixed_batch_tokens=min(b, start.max_batch_tokens))
-                runs[f"{b}#{r}"] = res = mixed(engine, early=early)
-                print(f"mixed budget {b} run {r}: {res['output_tok_s']:.0f} tok/s, ITL p50 / p99 "
-                      f"{res['itl_ms_p50']:.1f} / {res['itl_ms_p99']:.1f} ms, TTFT p50 {res['ttft_ms_p50']:.0f} ms",
-                      flush=True)
+                for m in multiples:
+                    sched.config = dataclasses.replace(
+                        start, max_mixed_batch_tokens=min(b or start.max_mixed_batch_tokens, start.max_batch_tokens),
+                        step_token_multiple=m or None)
+                    name = f"budget {sched.config.max_mixed_batch_tokens} multiple {m}"
+                    runs[f"{name} #{r}"] = res = mixed(engine, early=early)
+                    print(f"mixed {name} run {r}: {res['output_tok_s']:.0f} tok/s, ITL p50 / p99 "
+                          f"{res['itl_ms_p50']:.1f} / {res['itl_ms_p99']:.1f} ms, TTFT p50 "
+                          f"{res['ttft_ms_p50']:.0f} ms", flush=True)
     finally:
         sched.config = start
     return runs
@@ -305,6 +311,10 @@ def mixed(engine, n: int = 1000, early: bool = True) -> dict:
             "prefix_hit_tokens": engine.stats()["prefix_hit_tokens"] - hits, "step_log": log.summary()}
 
 
+def ints(arg: str | None) -> list[int]:
+    return [int(x) for x in arg.split(",")] if arg else []
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mii_async.bench.llama8b")
     ap.add_argument("--only", default="parity,bs1,offline,mixed,profile")
@@ -316,7 +326,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="the budget of a step with decodes (default: the GPU default)")
     ap.add_argument("--mixed-budgets", default=None,
                     help="mixed: run the load once per max_mixed_batch_tokens in this comma list, in one process")
-    ap.add_argument("--repeat", type=int, default=1, help="mixed with --mixed-budgets: rounds over the list")
+    ap.add_argument("--step-token-multiples", default=None,
+                    help="mixed: run the load once per step_token_multiple in this comma list (0: not cut), in "
+                         "one process (with --mixed-budgets, once per pair)")
+    ap.add_argument("--step-token-multiple", type=int, default=None,
+                    help="the scheduler's step_token_multiple (default: none, steps are not cut)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="mixed with --mixed-budgets or --step-token-multiples: rounds over the variants")
     ap.add_argument("--mma-warps", type=int, choices=(2, 4), default=None,
                     help="decode attention's tensor-core kernel at this block width for every batch "
                          "(default: kernels/decode_attention.py's choice by batch)")
@@ -325,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     parts = a.only.split(",")
     sched = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("max_batch_tokens", a.max_batch_tokens),
-                               ("max_mixed_batch_tokens", a.max_mixed_batch_tokens)) if v}
+                               ("max_mixed_batch_tokens", a.max_mixed_batch_tokens),
+                               ("step_token_multiple", a.step_token_multiple)) if v}
     if a.mma_warps is not None:               # before the engine captures its graphs, which keep the choice
         from mii_async.kernels import decode_attention
         decode_attention.MMA_NARROW_FROM = 0 if a.mma_warps == 2 else None
@@ -335,15 +352,19 @@ def main(argv: list[str] | None = None) -> int:
                      "graphs": bool(engine.runner.graphs), "num_blocks": engine.num_blocks,
                      "max_batch_tokens": engine.config.scheduler.max_batch_tokens,
                      "max_num_seqs": engine.config.scheduler.max_num_seqs,
-                     "max_mixed_batch_tokens": engine.config.scheduler.max_mixed_batch_tokens}
+                     "max_mixed_batch_tokens": engine.config.scheduler.max_mixed_batch_tokens,
+                     "step_token_multiple": engine.config.scheduler.step_token_multiple}
     if engine.runner.graphs is not None:
         results["graph_capture_s"] = engine.runner.graphs.capture_seconds
         results["graph_memory_gib"] = engine.runner.graphs.memory / 2**30
+    sched_cfg = engine.config.scheduler
     steps = {"parity": lambda: parity(hf, engine), "bs1": lambda: bs1(hf, engine),
              "offline": lambda: offline(hf, engine),
-             "mixed": lambda: (mixed_sweep(engine, [int(b) for b in a.mixed_budgets.split(",")], a.repeat,
-                                           not a.late_tokens)
-                               if a.mixed_budgets else mixed(engine, early=not a.late_tokens)),
+             "mixed": lambda: (mixed_sweep(engine, ints(a.mixed_budgets) or [None],
+                                           ints(a.step_token_multiples) or [sched_cfg.step_token_multiple or 0],
+                                           a.repeat, not a.late_tokens)
+                               if a.mixed_budgets or a.step_token_multiples
+                               else mixed(engine, early=not a.late_tokens)),
              "profile": lambda: {"bs1": profile(engine, 1), "bs256": profile(engine, 256),
                                  "mixed_128_decodes_1024_prompts": profile(engine, 128, prompt_len=1024),
                                  # the mixed load's steady state: ~255 decodes over ~700 tokens, a prompt a step

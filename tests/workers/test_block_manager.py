@@ -18,12 +18,14 @@ request = st.tuples(prompt, st.integers(1, 12), st.booleans())   # (prompt, max_
 @settings(max_examples=150, deadline=None)
 @given(requests=st.lists(request, min_size=1, max_size=12), num_blocks=st.integers(7, 40),
        block_size=st.sampled_from([1, 2, 4, 8]), budget=st.integers(1, 64), max_seqs=st.integers(1, 8),
-       caching=st.booleans(), mixed=st.none() | st.integers(1, 64))
-def test_scheduler_never_loses_blocks(requests, num_blocks, block_size, budget, max_seqs, caching, mixed):
+       caching=st.booleans(), mixed=st.none() | st.integers(1, 64), multiple=st.none() | st.integers(1, 16))
+def test_scheduler_never_loses_blocks(requests, num_blocks, block_size, budget, max_seqs, caching, mixed, multiple):
     """Random workloads through the scheduler: no block owned twice, refs exact, all finish, all free at idle;
-    a step with decodes stays within the mixed budget (or its decodes)."""
+    a step with decodes stays within the mixed budget (or its decodes); with a step token multiple, a step is
+    a multiple of it unless none of its chunks could give up the rest."""
     bm = BlockManager(num_blocks, block_size, caching)
-    config = SchedulerConfig(max_batch_tokens=budget, max_num_seqs=max_seqs, max_mixed_batch_tokens=mixed)
+    config = SchedulerConfig(max_batch_tokens=budget, max_num_seqs=max_seqs, max_mixed_batch_tokens=mixed,
+                             step_token_multiple=multiple)
     sched = Scheduler(config.resolved("cpu"), bm)
     cap = min(mixed or budget, budget)
     live: dict[int, Sequence] = {}
@@ -40,6 +42,9 @@ def test_scheduler_never_loses_blocks(requests, num_blocks, block_size, budget, 
         assert plan, "work left but nothing scheduled: a deadlock"
         assert plan.num_tokens <= (min(budget, max(cap, decodes)) if decodes else budget)
         assert len(sched.running) <= max_seqs
+        if multiple:
+            r = plan.num_tokens % multiple
+            assert r == 0 or all(len(s.token_ids) <= r for s in plan.seqs), (plan.num_tokens, multiple)
         bm.check_invariants(sched.all_seqs())
         for s in plan.seqs:
             seq = live[s.req_id]
