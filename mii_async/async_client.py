@@ -265,13 +265,15 @@ class AsyncClient:
 
     async def stats(self) -> dict:
         """Fresh engine counters summed over ready replicas (used_blocks, free_blocks, running, waiting, …),
-        and per replica under "replicas"."""
+        per replica under "replicas", and under "unanswered" the replicas that did not answer in time (their
+        counters are missing from the sums)."""
         return await self._query("stats")
 
     async def reset_prefix_cache(self) -> dict:
         """Every ready replica forgets the prefixes of the KV blocks no request holds (what a benchmark does
         between runs of the same prompts); requests running meanwhile are not disturbed. Returns the fresh
-        counters, with `prefix_blocks_forgotten`. Concurrency and cancellation are those of `stats()`."""
+        counters, with `prefix_blocks_forgotten`. Concurrency and cancellation are those of `stats()`. A
+        replica that does not answer makes it an UnavailableError that names it: the others did forget."""
         return await self._query("reset_prefix_cache")
 
     async def terminate_server(self, drain_s: float = 10.0) -> None:

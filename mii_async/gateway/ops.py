@@ -49,12 +49,12 @@ async def metrics(request: Request) -> Response:
 async def reset_prefix_cache(request: Request) -> JSONResponse:
     """200 {"prefix_blocks_forgotten": N, "replicas": {...}}: each ready replica forgot the prefixes of the
     KV blocks no request holds (as vLLM's /reset_prefix_cache and SGLang's /flush_cache); 503 when the router
-    does not answer."""
+    or one of its replicas does not answer."""
     s: GatewayState = request.app.state.gateway
     try:
         r = await asyncio.wait_for(s.client.reset_prefix_cache(), 30.0)
-    except (asyncio.TimeoutError, MIIAsyncError) as exc:
-        raise HTTPError(503, f"the router did not answer: {str(exc) or 'timed out'}", "service_unavailable_error",
-                        code="unavailable") from None
+    except (asyncio.TimeoutError, MIIAsyncError) as exc:    # the router, or one of its replicas, is silent
+        msg = str(exc) if isinstance(exc, MIIAsyncError) else "the router did not answer within 30 s"
+        raise HTTPError(503, msg, "service_unavailable_error", code="unavailable") from None
     per = {k: v.get("prefix_blocks_forgotten", 0) for k, v in r.get("replicas", {}).items()}
     return JSONResponse({"prefix_blocks_forgotten": r.get("prefix_blocks_forgotten", 0), "replicas": per})

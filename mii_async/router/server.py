@@ -269,6 +269,12 @@ class Router:
             result = await self.stats()
         elif msg.what == "reset_prefix_cache":
             result = await self.stats(reset_prefix_cache=True)
+            if result["unanswered"]:          # a rerun would find that replica's prompts cached: not a success
+                names = ", ".join(map(str, result["unanswered"]))
+                await self.clients.send(peer, P.ErrorReply(
+                    msg.req_id, "unavailable", f"reset_prefix_cache: replica {names} did not answer within "
+                    f"{STATS_TIMEOUT_S:g} s ({result.get('prefix_blocks_forgotten', 0)} blocks forgotten by the others)"))
+                return
         else:
             await self.clients.send(peer, P.ErrorReply(msg.req_id, "invalid_parameter",
                                                        f"what: unknown query {msg.what!r}", "what"))
@@ -305,7 +311,8 @@ class Router:
 
     async def stats(self, reset_prefix_cache: bool = False) -> dict:
         """Fresh engine counters from every ready replica (each answers after the messages sent before);
-        with `reset_prefix_cache`, each first forgets the prefixes of its free blocks."""
+        with `reset_prefix_cache`, each first forgets the prefixes of its free blocks. `unanswered` lists the
+        replicas asked that did not answer within STATS_TIMEOUT_S and did not die meanwhile."""
         token = next(self._tokens)
         ready = [r for r in self.replicas.ready() if r.leader is not None]
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -317,13 +324,14 @@ class Router:
         except asyncio.TimeoutError:
             per = self._stats_waiters[token][2]
         finally:
-            self._stats_waiters.pop(token, None)
+            want = self._stats_waiters.pop(token, (None, set(), {}))[1]     # less the replicas that died
         totals: dict[str, int] = {}
         for s in per.values():
             for k, v in s.items():
                 if isinstance(v, int):
                     totals[k] = totals.get(k, 0) + v
-        return {**totals, "replicas": {str(i): s for i, s in sorted(per.items())}}
+        return {**totals, "replicas": {str(i): s for i, s in sorted(per.items())},
+                "unanswered": sorted(want - set(per))}
 
     def on_stats_report(self, msg: P.StatsReport) -> None:
         waiter = self._stats_waiters.get(msg.token)

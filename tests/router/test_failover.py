@@ -156,3 +156,32 @@ def test_impossible_tensor_parallel_is_refused(default_model_dir):
     with pytest.raises(mii_async.InvalidParameterError, match="9 attention heads") as e:
         mii_async.serve(str(default_model_dir), tensor_parallel=2)
     assert e.value.param == "tensor_parallel"
+
+
+def test_a_silent_replica_fails_the_prefix_cache_reset(tiny_model, tmp_path):
+    """A replica that stops answering (SIGSTOP, inside its heartbeat timeout) makes reset_prefix_cache an
+    UnavailableError naming it, not a partial success; stats() lists it as unanswered. Once it runs again,
+    both answer in full."""
+    path = with_word_tokenizer(tiny_model("llama"), tmp_path / "tiny")
+    client = mii_async.serve(str(path), replicas=2, num_blocks=64, heartbeat_timeout_s=120.0)
+    pids: list[int] = []
+    try:
+        async def main():
+            h = await client.health()
+            pids.extend(deployment_pids(h))
+            victim = h["replicas"][1]["pids"][0]
+            assert (await client.stats())["unanswered"] == []
+            os.kill(victim, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(mii_async.UnavailableError, match="replica 1 did not answer"):
+                    await client.reset_prefix_cache()
+                assert time.monotonic() - t0 < 30
+            finally:
+                os.kill(victim, signal.SIGCONT)
+            r = await client.reset_prefix_cache()
+            assert sorted(r["replicas"]) == ["0", "1"] and r["unanswered"] == []
+        asyncio.run(main())
+    finally:
+        client.terminate_server_sync(drain_s=0)
+    assert not wait_gone([client._process.pid, *pids]), "processes left behind"
