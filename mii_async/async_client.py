@@ -19,12 +19,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import sys
 import threading
-import time
-import uuid
 import weakref
-from typing import Any, AsyncIterator, Awaitable, Coroutine, Sequence, TypeVar
+from typing import Any, AsyncIterator, Coroutine, Sequence, TypeVar
 
 import zmq.asyncio
 
@@ -32,112 +29,13 @@ from . import protocol as P
 from .errors import UnavailableError, error_from_code
 from .outputs import Logprob, Response, StreamChunk, Usage
 from .params import SamplingParams
+from .client_connection import Connection, Lost, within
 from .router.prompts import check_token_ids, is_messages, is_token_ids
 from .transport import DealerSocket
 
 log = logging.getLogger("mii_async.client")
 T = TypeVar("T")
 Prompt = Any   # str | list[int] (token ids) | list[dict] (chat messages)
-
-
-class _Lost(Exception):
-    """Put in a stream's queue when the router stopped answering."""
-
-
-class _Connection:
-    """One event loop's socket to the router, its reader and its pinger."""
-
-    def __init__(self, client: AsyncClient, loop: asyncio.AbstractEventLoop) -> None:
-        self.client, self.loop = client, loop
-        self.sock = DealerSocket(client._ctx, client.address, identity=f"c-{uuid.uuid4().hex}".encode(),
-                                 curve_dir=client.curve_dir)
-        self.streams: dict[str, asyncio.Queue] = {}
-        self.queries: dict[str, asyncio.Future] = {}
-        self.last_heard = time.monotonic()
-        self.busy_since = time.monotonic()
-        self._bg: set[asyncio.Task] = set()
-        self.tasks = [loop.create_task(self._read()), loop.create_task(self._ping())]
-
-    def outstanding(self) -> bool:
-        return bool(self.streams or self.queries)
-
-    def start_request(self) -> None:
-        if not self.outstanding():
-            self.busy_since = time.monotonic()
-
-    def send_later(self, msg: P.Message) -> None:
-        """Sends from code that must not await (a `finally` during cancellation)."""
-        task = self.loop.create_task(self.sock.send(msg))
-        self._bg.add(task)
-        task.add_done_callback(self._bg.discard)
-
-    async def _read(self) -> None:
-        while True:
-            msg = await self.sock.recv()
-            self.last_heard = time.monotonic()
-            if isinstance(msg, P.DeltaBatch):
-                for d in msg.deltas:
-                    if (q := self.streams.get(d.req_id)) is not None:
-                        q.put_nowait(d)
-            elif isinstance(msg, (P.Delta, P.ErrorReply)) and msg.req_id in self.streams:
-                self.streams[msg.req_id].put_nowait(msg)
-            elif isinstance(msg, P.ErrorReply) and msg.req_id in self.queries:
-                fut = self.queries.pop(msg.req_id)
-                if not fut.done():
-                    fut.set_exception(error_from_code(msg.code, msg.message, msg.param))
-            elif isinstance(msg, P.QueryReply):
-                fut = self.queries.pop(msg.req_id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg.result)
-            elif isinstance(msg, P.ErrorReply) and msg.req_id is None:
-                log.warning("router: %s: %s", msg.code, msg.message)
-
-    async def _ping(self) -> None:
-        c = self.client
-        n = itertools.count()
-        pending: asyncio.Task | None = None
-        while True:
-            await asyncio.sleep(c.ping_s)
-            if not self.outstanding():
-                continue
-            if time.monotonic() - max(self.last_heard, self.busy_since) > c.timeout_s:
-                self.fail_all(f"the router at {c.address} has not answered for {c.timeout_s:.0f} s")
-                continue
-            if pending is None or pending.done():     # a send blocks while no connection is up
-                pending = self.loop.create_task(self.sock.send(P.Query(f"ping-{next(n)}", "ping")))
-
-    def fail_all(self, err: str) -> None:
-        for q in self.streams.values():
-            q.put_nowait(_Lost(err))
-        for fut in self.queries.values():
-            if not fut.done():
-                fut.set_exception(UnavailableError(err))
-        self.queries.clear()
-
-    async def send(self, msg: P.Message) -> None:
-        """Sends, or raises UnavailableError when no connection to the router comes up within timeout_s."""
-        try:
-            await within(self.sock.send(msg), self.client.timeout_s)
-        except asyncio.TimeoutError:
-            raise UnavailableError(f"could not reach the router at {self.client.address} "
-                                   f"within {self.client.timeout_s:.0f} s") from None
-
-    def close(self) -> None:
-        self.fail_all("the client was closed")
-        for t in self.tasks:
-            t.cancel()
-        self.sock.close()
-
-
-async def within(aw: Awaitable[T], timeout_s: float) -> T:
-    """`await aw` with a timeout (asyncio.TimeoutError), cancellable at every point. Python 3.11's
-    `asyncio.wait_for` returns the result, swallowing a cancel, when the task is cancelled just as `aw`
-    completes: a stream cancelled right after it sent its request would then run to the end. `asyncio.timeout`
-    (3.11+) does not."""
-    if sys.version_info >= (3, 11):
-        async with asyncio.timeout(timeout_s):
-            return await aw
-    return await asyncio.wait_for(aw, timeout_s)
 
 
 def _release(ctx: zmq.asyncio.Context, socks: list[DealerSocket]) -> None:
@@ -162,7 +60,7 @@ class AsyncClient:
         self._socks: list[DealerSocket] = []
         # Not at exit: daemon threads may still poll the sockets then, and pyzmq skips term() at exit anyway.
         weakref.finalize(self, _release, self._ctx, self._socks).atexit = False
-        self._conns: dict[asyncio.AbstractEventLoop, _Connection] = {}
+        self._conns: dict[asyncio.AbstractEventLoop, Connection] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._sync_loop: asyncio.AbstractEventLoop | None = None
@@ -223,7 +121,7 @@ class AsyncClient:
             await conn.send(msg)
             while True:
                 item = await q.get()
-                if isinstance(item, _Lost):
+                if isinstance(item, Lost):
                     done = True
                     raise UnavailableError(str(item))
                 if isinstance(item, P.ErrorReply):
@@ -318,7 +216,7 @@ class AsyncClient:
                 self._sync_loop = loop
         return asyncio.run_coroutine_threadsafe(coro, self._sync_loop).result()
 
-    def _conn(self) -> _Connection:
+    def _conn(self) -> Connection:
         if self._closed:
             from .errors import EngineClosedError
 
@@ -331,7 +229,7 @@ class AsyncClient:
                     sock = self._conns.pop(old).sock
                     sock.close()
                     self._socks.remove(sock)
-                conn = self._conns[loop] = _Connection(self, loop)
+                conn = self._conns[loop] = Connection(self, loop)
                 self._socks.append(conn.sock)
         return conn
 

@@ -37,9 +37,9 @@ from .replicas import Replica, ReplicaSet
 from .supervisor import Supervisor
 from .worker_link import WorkerLink
 from .request_state import Ended, RequestState
+from .stats_queries import STATS_TIMEOUT_S, StatsQueries
 
 log = logging.getLogger("mii_async.router")
-STATS_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -66,13 +66,12 @@ class Router:
         self.tensor_parallel = 1 if serve.tensor_parallel == "auto" else int(serve.tensor_parallel)   # set in start()
         self.replicas = ReplicaSet(self.tensor_parallel, local, serve.curve_dir)
         self.balancer = Balancer(engine.cache.block_size)
+        self.stats_queries = StatsQueries(self.replicas, self.workers_sock)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mii_async-tokenize")
         self._rids = itertools.count()
-        self._tokens = itertools.count()
         self.live: dict[int, _Live] = {}
         self._by_client: dict[tuple[bytes, str], int] = {}
         self.client_seen: dict[bytes, float] = {}
-        self._stats_waiters: dict[int, tuple[asyncio.Future, set[int], dict[int, dict]]] = {}
         self.queued_tokens = 0
         self.state = "starting"           # starting | ready | draining | stopped
         self.startup_errors: list[tuple[str, str]] = []    # (code, message) of replicas that failed to load
@@ -310,43 +309,7 @@ class Router:
                 "bad_frames": self.clients.bad_frames + self.workers_sock.bad_frames, **self.counters}
 
     async def stats(self, reset_prefix_cache: bool = False) -> dict:
-        """Fresh engine counters from every ready replica (each answers after the messages sent before);
-        with `reset_prefix_cache`, each first forgets the prefixes of its free blocks. `unanswered` lists the
-        replicas asked that did not answer within STATS_TIMEOUT_S and did not die meanwhile."""
-        token = next(self._tokens)
-        ready = [r for r in self.replicas.ready() if r.leader is not None]
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._stats_waiters[token] = (fut, {r.index for r in ready}, {})
-        for rep in ready:
-            await self.workers_sock.send(rep.leader, P.StatsQuery(token, reset_prefix_cache))
-        try:
-            per = await asyncio.wait_for(fut, STATS_TIMEOUT_S) if ready else {}
-        except asyncio.TimeoutError:
-            per = self._stats_waiters[token][2]
-        finally:
-            want = self._stats_waiters.pop(token, (None, set(), {}))[1]     # less the replicas that died
-        totals: dict[str, int] = {}
-        for s in per.values():
-            for k, v in s.items():
-                if isinstance(v, int):
-                    totals[k] = totals.get(k, 0) + v
-        return {**totals, "replicas": {str(i): s for i, s in sorted(per.items())},
-                "unanswered": sorted(want - set(per))}
-
-    def on_stats_report(self, msg: P.StatsReport) -> None:
-        waiter = self._stats_waiters.get(msg.token)
-        if waiter is not None:
-            fut, want, got = waiter
-            got[msg.replica] = msg.stats
-            if want <= set(got) and not fut.done():
-                fut.set_result(got)
-
-    def replica_gone(self, index: int) -> None:
-        """A replica died: stats queries stop waiting for it."""
-        for fut, want, got in self._stats_waiters.values():
-            want.discard(index)
-            if want <= set(got) and not fut.done():
-                fut.set_result(got)
+        return await self.stats_queries.gather(reset_prefix_cache)
 
     # -- workers -------------------------------------------------------------------------------------
     async def send_chunk(self, live: _Live, chunk: Any) -> None:

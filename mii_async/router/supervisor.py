@@ -48,7 +48,7 @@ class Supervisor:
         self.router.counters["replica_deaths"] += 1
         log.error("replica %d died: %s; failing its %d request(s)", rep.index, reason, len(rep.requests))
         self.router.replicas.mark_dead(rep, reason)
-        self.router.replica_gone(rep.index)
+        self.router.stats_queries.replica_gone(rep.index)
         for rid in list(rep.requests):
             live = self.router.live.get(rid)
             if live is not None:

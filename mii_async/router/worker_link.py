@@ -81,7 +81,7 @@ class WorkerLink:
                 r.counters["failed"] += 1
                 await r.end(live, Ended("error", msg.message), tell_replica=False)
         elif isinstance(msg, P.StatsReport):
-            r.on_stats_report(msg)
+            r.stats_queries.on_report(msg)
         elif isinstance(msg, P.Hello):
             rep = None
             if msg.worker.encode() == peer and r.state in ("starting", "ready"):
