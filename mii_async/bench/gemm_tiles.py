@@ -1,13 +1,16 @@
 """A layer's weight GEMMs against the step's token count: is their cost a staircase along tokens, and which
 `step_token_multiple` would the scheduler's cut pay back? (docs/benchmarks.md, issue 6)
 
-    python -m mii_async.bench.gemm_tiles [--tokens 256:1600:16] [--multiples 16,32,64,128,256] [--json r.json]
+    python -m mii_async.bench.gemm_tiles [--tokens 256:1600:16] [--multiples 16,32,64,128,256]
+        [--blas default,cublaslt] [--json r.json]
 
 Times the four projections of a Llama-3-8B-shape layer (qkv, o, gate|up, down; bf16 on a GPU) as
 `F.linear(x[M, K], W[N, K])`, the way the model calls them, for each token count M of the range: the median
 of `--repeats` timed calls after a warm-up, with CUDA events on a GPU. For each candidate multiple m it
 reports what cutting a step of M tokens to M' = ⌊M/m⌋·m (the rest goes into the next step) saves of the GEMMs'
-cost per token, averaged over the range: 1 − (t(M')/M') / (t(M)/M). Positive: the cut pays.
+cost per token, averaged over the range: 1 − (t(M')/M') / (t(M)/M). Positive: the cut pays. On a GPU,
+`--blas` times the same calls once per library torch may route them to (torch.backends.cuda's
+preferred_blas_library), each in turn over the whole range.
 """
 from __future__ import annotations
 
@@ -97,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on CPU")
+    ap.add_argument("--blas", default="default,cublaslt",
+                    help="on a GPU: the BLAS libraries to time, in turn (torch's preferred_blas_library names)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     lo, hi, step = (int(x) for x in a.tokens.split(":"))
@@ -104,20 +109,40 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--tokens: want start:stop:step with 0 < start < stop and step > 0, got {a.tokens!r}")
     device = torch.device(a.device)
     dtype = getattr(torch, a.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    times = layer_times(a.shape, list(range(lo, hi, step)), device, dtype, a.repeats)
-    flops = {m: 2 * m * sum(n * k for _, n, k in SHAPES[a.shape]) for m in times}
-    print(f"{'tokens':>6} {'layer µs':>9} {'µs/token':>9} {'TFLOP/s':>8}")
-    for m, t in times.items():
-        print(f"{m:>6} {t * 1e6:>9.1f} {t * 1e6 / m:>9.3f} {flops[m] / t / 1e12:>8.1f}")
-    savings = cut_savings(times, [int(x) for x in a.multiples.split(",")])
+    tokens = list(range(lo, hi, step))
+    multiples = [int(x) for x in a.multiples.split(",")]
+    blas = a.blas.split(",") if device.type == "cuda" else ["cpu"]
+    times, savings = {}, {}
+    for lib in blas:
+        if device.type == "cuda":
+            before = torch.backends.cuda.preferred_blas_library()
+            torch.backends.cuda.preferred_blas_library(lib)
+        try:
+            times[lib] = layer_times(a.shape, tokens, device, dtype, a.repeats)
+        finally:
+            if device.type == "cuda":
+                torch.backends.cuda.preferred_blas_library(before)
+        savings[lib] = cut_savings(times[lib], multiples)
+    per_token_flops = 2 * sum(n * k for _, n, k in SHAPES[a.shape])
+    print(f"{'tokens':>6}" + "".join(f" {lib + ' µs':>14} {'TFLOP/s':>8}" for lib in blas))
+    for m in tokens:
+        print(f"{m:>6}" + "".join(f" {times[lib][m] * 1e6:>14.1f} {per_token_flops * m / times[lib][m] / 1e12:>8.1f}"
+                                   for lib in blas))
     print("cutting a step to a multiple: what it saves of the GEMMs' cost per token, mean (least … most)")
-    for mult, g in savings.items():
-        print(f"  {mult:>4}: {100 * g['mean']:+.1f}% ({100 * g['min']:+.1f} … {100 * g['max']:+.1f}%)"
-              f" over {g['points']} token counts")
+    for lib in blas:
+        for mult, g in savings[lib].items():
+            print(f"  {lib:>9} {mult:>4}: {100 * g['mean']:+.1f}% ({100 * g['min']:+.1f} … {100 * g['max']:+.1f}%)"
+                  f" over {g['points']} token counts")
+    if len(blas) > 1:
+        base = blas[0]
+        for lib in blas[1:]:
+            ratio = statistics.fmean(times[base][m] / times[lib][m] for m in tokens)
+            print(f"{lib} against {base}: {ratio:.3f}× the speed, mean over the range")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": str(device), "name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                       "dtype": str(dtype), "shape": a.shape, "layer_seconds": times, "cut_savings": savings}, f, indent=1)
+                       "dtype": str(dtype), "shape": a.shape, "layer_seconds": times, "cut_savings": savings}, f,
+                      indent=1)
     return 0
 
 
