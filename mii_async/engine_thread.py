@@ -1,8 +1,9 @@
 """EngineThread: the local pipeline's engine loop, on a thread of its own.
 
-The thread owns the Engine; other threads talk to it only through a command queue, and it answers each request
-through that request's sink (a callable, called on the engine thread, that must not block). torch releases the
-GIL inside its ops, so the caller's event loop keeps running while a step computes.
+The thread builds and owns the Engine, so that every torch op of the pipeline runs on it (see `_run`); other
+threads talk to it only through a command queue, and it answers each request through that request's sink (a
+callable, called on the engine thread, that must not block). torch releases the GIL inside its ops, so the
+caller's event loop keeps running while a step computes.
 """
 from __future__ import annotations
 
@@ -23,14 +24,14 @@ Sink = Callable[[Any], None]
 
 class EngineThread:
     def __init__(self, config: EngineConfig) -> None:
-        from .workers.engine import Engine   # lazily: `import mii_async` stays free of torch
-
-        self.engine = Engine(config)         # loaded here, so that load errors reach the caller
         self._cmds: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._sinks: dict[int, Sink] = {}    # touched only by the engine thread
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="mii_async-engine", daemon=True)
+        loaded: Future[Any] = Future()
+        self._thread = threading.Thread(target=self._run, args=(config, loaded), name="mii_async-engine",
+                                        daemon=True)
         self._thread.start()
+        self.engine = loaded.result()        # a load error is raised here, in the caller
 
     # -- any thread ----------------------------------------------------------------------------------
     def submit(self, req_id: int, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> None:
@@ -64,8 +65,18 @@ class EngineThread:
         self._thread.join()
 
     # -- engine thread -------------------------------------------------------------------------------
-    def _run(self) -> None:
-        eng = self.engine
+    def _run(self, config: EngineConfig, loaded: Future) -> None:
+        # The engine is built on this thread, which then runs every torch op of the pipeline: with the OpenMP
+        # build of torch, once a second thread has run a parallel region, each thread's team of workers
+        # outnumbers the cores and its regions start from sleep (~6× slower small ops on 2 cores).
+        from .workers.engine import Engine   # lazily: `import mii_async` stays free of torch
+
+        try:
+            eng = Engine(config)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, who raises it
+            loaded.set_exception(exc)
+            return
+        loaded.set_result(eng)
         while True:
             cmd = self._cmds.get() if not eng.has_work() else self._next_nowait()
             while cmd is not None:

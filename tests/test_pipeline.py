@@ -188,3 +188,40 @@ def test_closed_pipeline_rejects(default_model_dir):
     pipe.close()
     with pytest.raises(mii_async.EngineClosedError):
         pipe("hi")
+
+
+def test_engine_is_built_and_stepped_on_its_own_thread(default_model_dir, monkeypatch):
+    """The engine is built on the thread that runs its steps, so the caller's thread runs none of its torch ops
+    (with torch's OpenMP, a second thread's parallel regions make every small op of a step start from sleep).
+    A load error there is raised in the caller, and leaves no engine thread behind."""
+    import threading
+
+    from mii_async.workers.engine import Engine
+
+    seen: dict[str, set[str]] = {"init": set(), "step": set()}
+    init, step = Engine.__init__, Engine.step
+
+    def traced_init(self, *a, **kw):
+        seen["init"].add(threading.current_thread().name)
+        init(self, *a, **kw)
+
+    def traced_step(self, *a, **kw):
+        seen["step"].add(threading.current_thread().name)
+        return step(self, *a, **kw)
+
+    monkeypatch.setattr(Engine, "__init__", traced_init)
+    monkeypatch.setattr(Engine, "step", traced_step)
+    with mii_async.pipeline(str(default_model_dir), kv_cache_memory=0.05) as pipe:
+        assert pipe("The capital of France is", max_new_tokens=2)[0].generated_length == 2
+    assert seen == {"init": {"mii_async-engine"}, "step": {"mii_async-engine"}}
+
+    def failing_init(self, *a, **kw):
+        raise RuntimeError("no memory for the KV pool")
+
+    monkeypatch.setattr(Engine, "__init__", failing_init)
+    before = {t for t in threading.enumerate() if t.name == "mii_async-engine"}
+    with pytest.raises(RuntimeError, match="no memory for the KV pool"):
+        mii_async.pipeline(str(default_model_dir), kv_cache_memory=0.05)
+    for t in {t for t in threading.enumerate() if t.name == "mii_async-engine"} - before:
+        t.join(timeout=5)
+        assert not t.is_alive()
