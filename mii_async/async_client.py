@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import threading
 import weakref
 from typing import Any, AsyncIterator, Coroutine, Sequence, TypeVar
@@ -33,7 +32,6 @@ from .client_connection import Connection, Lost, within
 from .router.prompts import check_token_ids, is_messages, is_token_ids
 from .transport import DealerSocket
 
-log = logging.getLogger("mii_async.client")
 T = TypeVar("T")
 Prompt = Any   # str | list[int] (token ids) | list[dict] (chat messages)
 

@@ -31,7 +31,11 @@ class EngineThread:
         self._thread = threading.Thread(target=self._run, args=(config, loaded), name="mii_async-engine",
                                         daemon=True)
         self._thread.start()
-        self.engine = loaded.result()        # a load error is raised here, in the caller
+        try:
+            loaded.result()                  # a load error is raised here, in the caller
+        except BaseException:
+            self.close()                     # Ctrl-C during the load: the thread exits once it has loaded
+            raise
 
     # -- any thread ----------------------------------------------------------------------------------
     def submit(self, req_id: int, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> None:
@@ -57,22 +61,24 @@ class EngineThread:
         return fut.result(timeout=60)
 
     def close(self) -> None:
-        """Ends every live request with finish_reason "abort" and stops the thread. Idempotent."""
+        """Ends every live request with finish_reason "abort" and stops the thread. Idempotent. Called while
+        the engine still loads (the caller was interrupted), it returns at once; the thread exits after."""
         if self._closed:
             return
         self._closed = True
         self._cmds.put(("stop",))
-        self._thread.join()
+        if hasattr(self, "engine"):
+            self._thread.join()
 
     # -- engine thread -------------------------------------------------------------------------------
     def _run(self, config: EngineConfig, loaded: Future) -> None:
         # The engine is built on this thread, which then runs every torch op of the pipeline: with the OpenMP
         # build of torch, once a second thread has run a parallel region, each thread's team of workers
         # outnumbers the cores and its regions start from sleep (~6× slower small ops on 2 cores).
-        from .workers.engine import Engine   # lazily: `import mii_async` stays free of torch
-
         try:
-            eng = Engine(config)
+            from .workers.engine import Engine   # lazily: `import mii_async` stays free of torch
+
+            self.engine = eng = Engine(config)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, who raises it
             loaded.set_exception(exc)
             return

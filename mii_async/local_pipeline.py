@@ -30,7 +30,11 @@ class Pipeline:
         self.config = config
         self._engine = EngineThread(config)
         self.model_path = self._engine.engine.model_path
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+        except BaseException:
+            self._engine.close()
+            raise
         self._encoder = PromptEncoder(self.tokenizer)
         self._ids = itertools.count()
 

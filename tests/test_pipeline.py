@@ -193,7 +193,8 @@ def test_closed_pipeline_rejects(default_model_dir):
 def test_engine_is_built_and_stepped_on_its_own_thread(default_model_dir, monkeypatch):
     """The engine is built on the thread that runs its steps, so the caller's thread runs none of its torch ops
     (with torch's OpenMP, a second thread's parallel regions make every small op of a step start from sleep).
-    A load error there is raised in the caller, and leaves no engine thread behind."""
+    A load error there, or a failed import, is raised in the caller, and leaves no engine thread behind."""
+    import sys
     import threading
 
     from mii_async.workers.engine import Engine
@@ -221,6 +222,9 @@ def test_engine_is_built_and_stepped_on_its_own_thread(default_model_dir, monkey
     monkeypatch.setattr(Engine, "__init__", failing_init)
     before = {t for t in threading.enumerate() if t.name == "mii_async-engine"}
     with pytest.raises(RuntimeError, match="no memory for the KV pool"):
+        mii_async.pipeline(str(default_model_dir), kv_cache_memory=0.05)
+    monkeypatch.setitem(sys.modules, "mii_async.workers.engine", None)    # an import that fails there
+    with pytest.raises(ImportError):
         mii_async.pipeline(str(default_model_dir), kv_cache_memory=0.05)
     for t in {t for t in threading.enumerate() if t.name == "mii_async-engine"} - before:
         t.join(timeout=5)

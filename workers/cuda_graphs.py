@@ -124,8 +124,8 @@ class DecodeGraphs:
         """Logits [len(plan.seqs), V] of a decode-only step from its graph; None when no graph fits it.
         `pending`: the ids of the step in flight, which placeholder ids stand for (async scheduling)."""
         n = len(plan.seqs)
-        if plan.num_decodes != n or n > self.buckets[-1]:
-            return None
+        if plan.num_decodes != n or n > self.buckets[-1] or not all(s.sample for s in plan.seqs):
+            return None               # a graph returns a row's logits for every row: each must be sampled
         starts = [s.start_pos for s in plan.seqs]
         longest = max(starts) + 1
         cap = next((c for c in self.caps if c.cap >= longest), None)

@@ -66,6 +66,9 @@ class Engine:
         self.spec = spec = load_spec(self.model_path)
         dev = mc.device if mc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device(dev)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)   # the kernels launch on the current device of the thread that
+                                                 # builds and steps the engine
         dtype_name = mc.dtype if mc.dtype != "auto" else ("float32" if self.device.type == "cpu" else "bfloat16")
         self.dtype = _DTYPES[dtype_name]
         limit = spec.max_position_embeddings

@@ -22,6 +22,7 @@ class Scheduler:
         self.running: list[Sequence] = []         # admission order: the last is the newest
         self.num_preemptions = 0
         self._scheduled: list[tuple[Sequence, int]] = []   # the last plan's (seq, tokens), in plan order
+        self._cut: set[int] = set()               # id(seq) of the chunk the last plan cut (step_token_multiple)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -147,18 +148,25 @@ class Scheduler:
         return self._plan(list(chosen.values()), preempted)
 
     def _align(self, chosen: dict[int, tuple[Sequence, int]], m: int) -> None:
-        """Cuts the step to a multiple of `m` tokens: the newest prompt chunk that can keep a token gives up
-        the rest (its blocks for them go back), and computes it in the next step, which takes running
+        """Cuts the step to a multiple of `m` tokens: the newest prompt chunk that keeps at least 2 tokens gives
+        up the rest (its blocks for them go back), and computes it in the next step, which takes running
         prompts first. A GEMM along tokens costs whole tiles, so the cut tokens would have cost a partial tile
-        of their own; in the next step they fill part of one that is paid for anyway."""
+        of their own; in the next step they fill part of one that is paid for anyway.
+        - A sequence cut in the previous step is not cut again: its rest would otherwise move a few tokens a
+          step whenever the decodes alone leave a remainder just under m.
+        - A cut chunk keeps 2 tokens, so it never becomes a one-token row: a plan's one-token rows come first,
+          and a decode graph returns their logits in row order, each a sampled row's.
+        - The blocks given back were just taken; a cached prefix that `take` evicted for them stays forgotten."""
+        was_cut, self._cut = self._cut, set()
         r = sum(n for _, n in chosen.values()) % m
         if not r:
             return
         for key in reversed(chosen):
             seq, n = chosen[key]
-            if n > r:
+            if n - r >= 2 and key not in was_cut:
                 chosen[key] = (seq, n - r)
                 self.bm.shrink(seq, n - r)
+                self._cut.add(key)
                 return
 
     def _preempt(self, seq: Sequence) -> None:

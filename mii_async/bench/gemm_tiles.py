@@ -104,13 +104,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="on a GPU: the BLAS libraries to time, in turn (torch's preferred_blas_library names)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    lo, hi, step = (int(x) for x in a.tokens.split(":"))
+    try:
+        lo, hi, step = (int(x) for x in a.tokens.split(":"))
+        multiples = [int(x) for x in a.multiples.split(",")]
+    except ValueError as exc:
+        ap.error(f"--tokens is start:stop:step and --multiples a comma list of integers: {exc}")
     if not 0 < lo < hi or step <= 0:
         ap.error(f"--tokens: want start:stop:step with 0 < start < stop and step > 0, got {a.tokens!r}")
+    if any(m <= 0 for m in multiples):
+        ap.error(f"--multiples: each must be a positive number of tokens, got {a.multiples!r}")
     device = torch.device(a.device)
     dtype = getattr(torch, a.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     tokens = list(range(lo, hi, step))
-    multiples = [int(x) for x in a.multiples.split(",")]
     blas = a.blas.split(",") if device.type == "cuda" else ["cpu"]
     times, savings = {}, {}
     for lib in blas:

@@ -229,7 +229,7 @@ def mixed_sweep(engine, budgets: list[int | None], multiples: list[int], repeat:
                     sched.config = dataclasses.replace(
                         start, max_mixed_batch_tokens=min(b or start.max_mixed_batch_tokens, start.max_batch_tokens),
                         step_token_multiple=m or None)
-                    name = f"budget {sched.config.max_mixed_batch_tokens} multiple {m}"
+                    name = f"budget {b if b is not None else 'default'} multiple {m}"   # as asked: unique
                     runs[f"{name} #{r}"] = res = mixed(engine, early=early)
                     print(f"mixed {name} run {r}: {res['output_tok_s']:.0f} tok/s, ITL p50 / p99 "
                           f"{res['itl_ms_p50']:.1f} / {res['itl_ms_p99']:.1f} ms, TTFT p50 "

@@ -37,7 +37,7 @@ from .replicas import Replica, ReplicaSet
 from .supervisor import Supervisor
 from .worker_link import WorkerLink
 from .request_state import Ended, RequestState
-from .stats_queries import STATS_TIMEOUT_S, StatsQueries
+from .stats_queries import RESET_TIMEOUT_S, StatsQueries
 
 log = logging.getLogger("mii_async.router")
 
@@ -272,7 +272,7 @@ class Router:
                 names = ", ".join(map(str, result["unanswered"]))
                 await self.clients.send(peer, P.ErrorReply(
                     msg.req_id, "unavailable", f"reset_prefix_cache: replica {names} did not answer within "
-                    f"{STATS_TIMEOUT_S:g} s ({result.get('prefix_blocks_forgotten', 0)} blocks forgotten by the others)"))
+                    f"{RESET_TIMEOUT_S:g} s ({result.get('prefix_blocks_forgotten', 0)} blocks forgotten by the others)"))
                 return
         else:
             await self.clients.send(peer, P.ErrorReply(msg.req_id, "invalid_parameter",

@@ -38,13 +38,17 @@ def test_scheduler_never_loses_blocks(requests, num_blocks, block_size, budget, 
         if not sched.has_work():
             break
         decodes = sum(1 for s in sched.running if s.num_tokens - s.num_computed_tokens == 1)
+        cut_before = {i for i, s in live.items() if id(s) in sched._cut}
         plan = sched.schedule()
         assert plan, "work left but nothing scheduled: a deadlock"
         assert plan.num_tokens <= (min(budget, max(cap, decodes)) if decodes else budget)
         assert len(sched.running) <= max_seqs
-        if multiple:
+        if multiple:        # not a multiple only where no chunk could be cut (keeping 2, not cut just before)
             r = plan.num_tokens % multiple
-            assert r == 0 or all(len(s.token_ids) <= r for s in plan.seqs), (plan.num_tokens, multiple)
+            assert r == 0 or all(len(s.token_ids) - r < 2 or s.req_id in cut_before for s in plan.seqs)
+        # One-token rows lead the plan; the sampled ones come first (a graph's logits are taken in row order).
+        flags = [s.sample for s in plan.seqs[:plan.num_decodes]]
+        assert flags == sorted(flags, reverse=True), flags
         bm.check_invariants(sched.all_seqs())
         for s in plan.seqs:
             seq = live[s.req_id]
@@ -82,3 +86,57 @@ def test_prefix_hits_hold_the_same_tokens(prompts, block_size):
         bm.free(seq)
         bm.check_invariants([])
     assert bm.num_free == 64
+
+
+def _sched_with_decodes(n: int, multiple: int) -> tuple[Scheduler, BlockManager, dict[int, Sequence]]:
+    """A scheduler whose `n` running sequences (3-token prompts, computed) each have one token to decode."""
+    bm = BlockManager(64, 4)
+    config = SchedulerConfig(max_batch_tokens=64, max_num_seqs=16, step_token_multiple=multiple)
+    sched = Scheduler(config.resolved("cpu"), bm)
+    seqs = {i: Sequence(i, [1, 2, 3], SamplingParams(max_new_tokens=50)) for i in range(n)}
+    for s in seqs.values():
+        sched.add(s)
+    _run_plan(sched, sched.schedule(), seqs)   # 3n prompt tokens: no chunk of 3 can keep 2 and give up more
+    return sched, bm, seqs
+
+
+def _run_plan(sched: Scheduler, plan, seqs: dict[int, Sequence]) -> None:
+    for s in plan.seqs:
+        sched.commit(seqs[s.req_id], len(s.token_ids))
+        if s.sample:
+            seqs[s.req_id].output_ids.append(7)
+
+
+def test_a_cut_prompt_is_not_cut_again():
+    """step_token_multiple=8 with 6 decodes running: a 30-token prompt is cut once (to 26, a 32-token step),
+    and its 4-token rest goes whole into the next step, not 2 tokens a step."""
+    sched, bm, seqs = _sched_with_decodes(6, 8)
+    seqs[99] = Sequence(99, list(range(30)), SamplingParams(max_new_tokens=4))
+    sched.add(seqs[99])
+    chunks = []
+    for _ in range(2):
+        plan = sched.schedule()
+        assert plan.num_decodes == 6
+        [chunk] = [s for s in plan.seqs if s.req_id == 99]
+        chunks.append((plan.num_tokens, len(chunk.token_ids), chunk.sample))
+        _run_plan(sched, plan, seqs)
+    assert chunks == [(32, 26, False), (10, 4, True)]
+    bm.check_invariants(sched.all_seqs())
+
+
+def test_a_cut_never_leaves_a_one_token_row():
+    """6 decodes, a running prompt with 7 tokens left and a new 1-token prompt, multiple 8 (14 tokens): the
+    running chunk is not cut to one unsampled token ahead of the new prompt's sampled one (a decode graph hands
+    out logits in row order)."""
+    sched, bm, seqs = _sched_with_decodes(6, 8)
+    seqs[50] = Sequence(50, list(range(10, 75)), SamplingParams(max_new_tokens=4))
+    sched.add(seqs[50])
+    plan = sched.schedule()                      # 6 decodes + 58 of the 65 prompt tokens: the 64-token budget
+    assert plan.num_tokens == 64
+    _run_plan(sched, plan, seqs)
+    seqs[51] = Sequence(51, [5], SamplingParams(max_new_tokens=4))
+    sched.add(seqs[51])
+    plan = sched.schedule()
+    flags = [s.sample for s in plan.seqs[:plan.num_decodes]]
+    assert flags == sorted(flags, reverse=True) and plan.num_tokens == 6 + 7 + 1, (flags, plan.num_tokens)
+    bm.check_invariants(sched.all_seqs())
