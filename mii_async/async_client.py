@@ -272,7 +272,12 @@ class AsyncClient:
 
 
 def _wire_params(params: dict[str, Any]) -> dict[str, Any]:
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()}
+    """msgpack-ready: tuples as lists, and logit_bias's {id: bias} as [id, bias] pairs (a msgpack map's keys
+    must be strings)."""
+    out = {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()}
+    if isinstance(out.get("logit_bias"), dict):
+        out["logit_bias"] = [[k, b] for k, b in out["logit_bias"].items()]
+    return out
 
 
 def _logprob(x: list) -> Logprob:

@@ -15,6 +15,7 @@ from .errors import InvalidParameterError
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024    # entries of logit_bias
 MAX_STOP_STRING_LEN = 256
 MAX_INT = 2**31 - 1      # bound on counts (max_new_tokens, top_k, …): larger values mean nothing and overflow
 MAX_TOKEN_ID = 2**32 - 1 # token ids travel as uint32
@@ -42,6 +43,9 @@ class SamplingParams:
     skip_special_tokens: bool = True   # when detokenizing
     return_full_text: bool = False     # DeepSpeed-MII: prepend the prompt to generated_text
     do_sample: bool | None = None      # DeepSpeed-MII/HF: False forces greedy
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits before
+                                       # choosing (OpenAI semantics); given as a dict {id: bias} (keys may be
+                                       # strings of digits, as in JSON) or as pairs; kept sorted by id
 
     def __post_init__(self) -> None:
         _int(self, "max_new_tokens", lo=1, hi=MAX_INT)
@@ -81,6 +85,7 @@ class SamplingParams:
             raise InvalidParameterError("do_sample", "must be true, false or null")
         if self.logprobs is not None:
             _int(self, "logprobs", lo=0, hi=MAX_LOGPROBS)
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -99,6 +104,9 @@ class SamplingParams:
         for i in self.stop_token_ids:
             if i >= vocab_size:
                 raise InvalidParameterError("stop_token_ids", f"id {i} is outside the vocabulary (size {vocab_size})")
+        if self.logit_bias and self.logit_bias[-1][0] >= vocab_size:
+            raise InvalidParameterError("logit_bias", f"id {self.logit_bias[-1][0]} is outside the vocabulary "
+                                                      f"(size {vocab_size})")
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -109,6 +117,28 @@ _FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _logit_bias(v: Any) -> tuple[tuple[int, float], ...]:
+    """{id: bias} (ids as ints or strings of digits) or [(id, bias), …] → sorted ((id, bias), …), checked."""
+    if isinstance(v, dict):
+        v = list(v.items())
+    if not isinstance(v, (list, tuple)) or not all(isinstance(e, (list, tuple)) and len(e) == 2 for e in v):
+        raise InvalidParameterError("logit_bias", "must map token ids to biases: {id: bias}")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise InvalidParameterError("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(v)}")
+    out: dict[int, float] = {}
+    for key, bias in v:
+        tid = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 11 else key
+        if not _is_int(tid) or not 0 <= tid <= MAX_TOKEN_ID:
+            raise InvalidParameterError("logit_bias", f"keys must be token ids (integers in [0, 2**32)), got {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100.0 <= float(bias) <= 100.0:
+            raise InvalidParameterError("logit_bias", f"the bias of token {tid} must be a number in [-100, 100], "
+                                                      f"got {bias!r}")
+        if tid in out:
+            raise InvalidParameterError("logit_bias", f"token {tid} appears twice")
+        out[tid] = float(bias)
+    return tuple(sorted(out.items()))
 
 
 def _int(p: SamplingParams, name: str, lo: int, hi: int | None = None) -> None:

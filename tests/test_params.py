@@ -80,3 +80,19 @@ def test_import_is_light():
     code = "import sys, mii_async; print(sorted(m for m in ('torch', 'cupy', 'transformers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_logit_bias_is_checked_and_normalized():
+    """logit_bias takes {id: bias} (JSON's string keys too) or pairs, kept sorted; a bad key, a bias outside
+    [-100, 100], a repeated id or too many entries is an error naming logit_bias; ids past the vocabulary too."""
+    p = SamplingParams(logit_bias={"7": -100, 3: 2})
+    assert p.logit_bias == ((3, 2.0), (7, -100.0))
+    assert SamplingParams(**p.to_dict()).logit_bias == p.logit_bias        # as it travels
+    for bad in ({"x": 1}, {"-1": 1}, {1: 101}, {1: float("nan")}, {1: True}, [(1, 2, 3)], 5, {1: 1, "1": 2},
+                {i: 1 for i in range(1025)}):
+        with pytest.raises(InvalidParameterError) as info:
+            SamplingParams(logit_bias=bad)
+        assert info.value.param == "logit_bias", bad
+    with pytest.raises(InvalidParameterError, match="outside the vocabulary") as info:
+        SamplingParams(logit_bias={50: 1}).check_vocab(50)
+    assert info.value.param == "logit_bias"

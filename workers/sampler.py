@@ -1,7 +1,7 @@
 """Sampler: logits processing and token choice for one step's sampled rows.
 
 Order (HF's, then vLLM's): repetition penalty over prompt + output → presence/frequency penalties over the
-output → min_new_tokens masks the end ids → logprobs are taken here, of the processed-by-penalties logits
+output → logit_bias is added → min_new_tokens masks the end ids → logprobs are taken here, of the processed-by-penalties logits
 before temperature → temperature, top-k, top-p, min-p → choice. Greedy rows take the argmax.
 
 Random choice is the exponential race (argmax p_i / E_i with E_i ~ Exp(1)), which equals sampling from p.
@@ -149,6 +149,8 @@ class Sampler:
 
     def _penalize(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         masked: dict[tuple[int, ...], list[int]] = {}     # end ids to mask → the rows that mask them
+        bias_at: list[int] = []                           # flat positions of the rows' logit biases
+        bias: list[float] = []
         for i, s in enumerate(seqs):
             if s.plain:
                 continue
@@ -161,10 +163,18 @@ class Sampler:
                 out = to_device(s.output_ids, logits.device)       # index_add_, not bincount: no read-back
                 counts = logits.new_zeros(logits.shape[1]).index_add_(0, out, logits.new_ones(out.shape[0]))
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+            if p.logit_bias:
+                row = i * logits.shape[1]
+                for tid, b in p.logit_bias:
+                    bias_at.append(row + tid)
+                    bias.append(b)
             if len(s.output_ids) < p.min_new_tokens:
                 ends = tuple(t for t in (*self.end_ids, *p.stop_token_ids) if t < logits.shape[1])
                 if ends:
                     masked.setdefault(ends, []).append(i)
+        if bias_at:                                       # one add for every row's biases, after the penalties
+            logits.view(-1).index_add_(0, to_device(bias_at, logits.device),
+                                       to_device(bias, logits.device, logits.dtype))
         for ends, rows in masked.items():                 # one write per distinct set, not one per row
             # index_fill_ of flat positions with a scalar: assigning a Python float through advanced
             # indexing copies it up as a tensor, which synchronizes

@@ -33,7 +33,7 @@ class Sequence:
     max_tokens: int = 0                  # prompt + output at which the request ends by length (0: prompt +
                                          # max_new_tokens; the engine caps it by the context)
     # True when the argmax of the raw logits is all this request ever needs (greedy, no penalties, no
-    # min_new_tokens mask, no logprobs): the sampler takes one batched argmax when every row is plain.
+    # logit bias, no min_new_tokens mask, no logprobs): the sampler takes one batched argmax when every row is plain.
     # Derived from the frozen params once, so the per-step check is one attribute read.
     plain: bool = field(init=False)
     # True when sampling never reads the output so far (no repetition / presence / frequency penalty): a step
@@ -43,7 +43,8 @@ class Sequence:
     def __post_init__(self) -> None:
         p = self.params
         self.history_free = p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
-        self.plain = p.greedy and p.logprobs is None and p.min_new_tokens == 0 and self.history_free
+        self.plain = (p.greedy and p.logprobs is None and p.min_new_tokens == 0 and self.history_free
+                      and not p.logit_bias)
         if not self.max_tokens:
             self.max_tokens = len(self.prompt_ids) + p.max_new_tokens
 

@@ -21,8 +21,6 @@ _ROLES = {"system", "user", "assistant", "tool", "developer"}
 
 
 def _common(body: _Common) -> dict[str, Any]:
-    if body.logit_bias:
-        raise bad_request("logit_bias", "logit_bias is not supported")
     p: dict[str, Any] = {"temperature": 1.0 if body.temperature is None else body.temperature}
     for ours, theirs in (("top_p", "top_p"), ("presence_penalty", "presence_penalty"),
                          ("frequency_penalty", "frequency_penalty"), ("seed", "seed"), ("top_k", "top_k"),
@@ -37,6 +35,8 @@ def _common(body: _Common) -> dict[str, Any]:
         p["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
     if body.stop_token_ids:
         p["stop_token_ids"] = list(body.stop_token_ids)
+    if body.logit_bias:
+        p["logit_bias"] = [[k, b] for k, b in body.logit_bias.items()]
     return p
 
 

@@ -80,6 +80,27 @@ def test_completion_streaming_and_chat_logprobs(oai, model):
     assert "".join(t.token for t in content) == r.choices[0].message.content
 
 
+def test_logit_bias_forces_and_bans_tokens(oai, model, deployment, gateway_url):
+    """logit_bias as OpenAI sends it (ids as strings): −100 on the greedy answer's first token makes the answer
+    start otherwise, as the client API's with the same bias; +100 on one token makes every greedy token that
+    one; a bias outside [-100, 100] is a 400 naming logit_bias."""
+    prompt = "The capital of France is"
+    [plain] = deployment([prompt], max_new_tokens=3)
+    first = plain.token_ids[0]
+    banned = oai.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0,
+                                    logit_bias={str(first): -100})
+    [expected] = deployment([prompt], max_new_tokens=3, logit_bias={first: -100})
+    assert expected.token_ids[0] != first and banned.choices[0].text == expected.generated_text
+    other = expected.token_ids[0]
+    [forced] = deployment([prompt], max_new_tokens=3, logit_bias={other: 100})
+    assert forced.token_ids == [other] * 3
+    r = oai.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0, logit_bias={str(other): 100})
+    assert r.choices[0].text == forced.generated_text
+    r = httpx.post(f"{gateway_url}/v1/completions", timeout=30,
+                   json={"model": model, "prompt": prompt, "logit_bias": {str(first): 250}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+
+
 def test_errors_in_openai_format(oai, model, gateway_url):
     """Invalid input is a 400 naming the parameter, an unknown model a 404, both as the openai package's
     typed errors; a request that can never fit is a 400 on max_tokens."""

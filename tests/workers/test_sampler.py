@@ -61,6 +61,24 @@ def test_min_new_tokens_masks_end_ids():
     assert s(logits, [_seq(0)]).token_ids == [2]
 
 
+def test_logit_bias_is_added_before_the_choice():
+    """logit_bias adds to the logits after the penalties: +100 makes a token the greedy choice, −100 bans the
+    argmax; a sampled row with a banned token never draws it; rows without a bias are untouched."""
+    s = Sampler(10, frozenset({2}), torch.device("cpu"))
+    logits = torch.zeros(3, 10)
+    logits[:, 4] = 5.0
+    rows = [_seq(0, logit_bias={8: 100.0}), _seq(1), _seq(2, logit_bias={"4": -100})]
+    assert s(logits, rows).token_ids == [8, 4, 0]
+    out = logits.clone()
+    s._penalize(out, [_seq(0, logit_bias={3: 1.5, 9: -2.0}), _seq(1)])
+    expected = logits.clone()
+    expected[0, 3] += 1.5
+    expected[0, 9] -= 2.0
+    assert torch.equal(out, expected)
+    draws = {s(logits[:1], [_seq(i, temperature=1.0, seed=i, logit_bias={4: -100})]).token_ids[0] for i in range(200)}
+    assert 4 not in draws and len(draws) > 3
+
+
 def test_seeded_draws_follow_the_distribution():
     """Seeded sampling reproduces per seed and its frequencies match the probabilities."""
     s = Sampler(4, frozenset(), torch.device("cpu"))
@@ -74,14 +92,15 @@ def test_seeded_draws_follow_the_distribution():
 
 @pytest.mark.gpu
 def test_launch_never_waits_on_the_device():
-    """On CUDA, `launch` for every kind of row (filters, seeds, penalties, min_new_tokens, logprobs) makes no
-    synchronizing call (torch's sync debug mode raises on one), so async scheduling overlaps sampled steps; the
-    same rows on the CPU give the same tokens."""
+    """On CUDA, `launch` for every kind of row (filters, seeds, penalties, logit bias, min_new_tokens, logprobs)
+    makes no synchronizing call (torch's sync debug mode raises on one), so async scheduling overlaps sampled
+    steps; the same rows on the CPU give the same tokens."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     kinds = [dict(), dict(temperature=0.8, top_k=5, top_p=0.9, seed=3), dict(temperature=1.0, min_p=0.1),
              dict(temperature=0.7, top_k=0), dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2),
-             dict(min_new_tokens=8), dict(logprobs=3), dict(temperature=0.9, seed=11, logprobs=2)]
+             dict(min_new_tokens=8), dict(logprobs=3), dict(temperature=0.9, seed=11, logprobs=2),
+             dict(logit_bias={7: 5.0, 9: -100.0}), dict(temperature=0.6, seed=5, logit_bias={1: 3.0})]
     logits = torch.randn(len(kinds), 50) * 3
     results = []
     for device in ("cpu", "cuda"):
