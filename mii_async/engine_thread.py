@@ -122,6 +122,8 @@ class EngineThread:
         try:
             # The step in flight's tokens are delivered as soon as they are read (during this launch, maybe).
             self._deliver_all(self.engine.step(emit=self._deliver_all))
+            for req_id, why in self.engine.take_failed():   # e.g. a guide the vocabulary cannot follow
+                self._end(req_id, Ended("error", why))
         except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
             log.exception("engine step failed")
             for req_id in list(self._sinks):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import InvalidParameterError
+from .guided import GUIDED_FIELDS, check_regex, normalize_choice, normalize_json_schema, schema_regex
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -46,6 +47,10 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits before
                                        # choosing (OpenAI semantics); given as a dict {id: bias} (keys may be
                                        # strings of digits, as in JSON) or as pairs; kept sorted by id
+    guided_json: str | None = None     # the output is JSON matching this schema (a dict or its JSON text; kept
+                                       # as text); {"type": "object"}: any JSON object (OpenAI's JSON mode)
+    guided_regex: str | None = None    # the output matches this regular expression
+    guided_choice: tuple[str, ...] | None = None  # the output is one of these strings
 
     def __post_init__(self) -> None:
         _int(self, "max_new_tokens", lo=1, hi=MAX_INT)
@@ -86,6 +91,24 @@ class SamplingParams:
         if self.logprobs is not None:
             _int(self, "logprobs", lo=0, hi=MAX_LOGPROBS)
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        named = [f for f in GUIDED_FIELDS if getattr(self, f) is not None]
+        if len(named) > 1:
+            raise InvalidParameterError(named[1], f"only one of {', '.join(GUIDED_FIELDS)} may be given")
+        if self.guided_json is not None:
+            object.__setattr__(self, "guided_json", normalize_json_schema(self.guided_json))
+            schema_regex(self.guided_json)             # a schema the compiler refuses is the caller's error
+        elif self.guided_regex is not None:
+            check_regex(self.guided_regex)
+        elif self.guided_choice is not None:
+            object.__setattr__(self, "guided_choice", normalize_choice(self.guided_choice))
+
+    @property
+    def guide(self) -> tuple[str, Any] | None:
+        """(field, value) of the request's guided generation, or None."""
+        for f in GUIDED_FIELDS:
+            if (v := getattr(self, f)) is not None:
+                return f, v
+        return None
 
     @property
     def greedy(self) -> bool:

@@ -96,3 +96,22 @@ def test_logit_bias_is_checked_and_normalized():
     with pytest.raises(InvalidParameterError, match="outside the vocabulary") as info:
         SamplingParams(logit_bias={50: 1}).check_vocab(50)
     assert info.value.param == "logit_bias"
+
+
+def test_guided_params_are_checked_and_normalized():
+    """guided_json takes a schema (dict or JSON text, kept as compact text), guided_choice a list of strings,
+    guided_regex a regex; at most one of them; a schema the compiler refuses, a bad regex or an empty choice
+    is an error naming the field."""
+    p = SamplingParams(guided_json={"type": "object", "properties": {"b": {"type": "integer"}, "a": {}}})
+    assert p.guided_json == '{"type":"object","properties":{"b":{"type":"integer"},"a":{}}}'   # order kept
+    assert p.guide == ("guided_json", p.guided_json) and SamplingParams(**p.to_dict()).guide == p.guide
+    assert SamplingParams(guided_choice=["a", "b"]).guide == ("guided_choice", ("a", "b"))
+    assert SamplingParams().guide is None
+    for name, bad in [("guided_json", {"type": "wat"}), ("guided_json", "not json"), ("guided_json", [1]),
+                      ("guided_regex", "(("), ("guided_regex", ""), ("guided_choice", []), ("guided_choice", ["a", 1])]:
+        with pytest.raises(InvalidParameterError) as info:
+            SamplingParams(**{name: bad})
+        assert info.value.param == name, (name, bad)
+    with pytest.raises(InvalidParameterError) as info:
+        SamplingParams(guided_json={"type": "object"}, guided_choice=["a"])
+    assert info.value.param == "guided_choice"

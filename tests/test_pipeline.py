@@ -229,3 +229,12 @@ def test_engine_is_built_and_stepped_on_its_own_thread(default_model_dir, monkey
     for t in {t for t in threading.enumerate() if t.name == "mii_async-engine"} - before:
         t.join(timeout=5)
         assert not t.is_alive()
+
+
+def test_guided_choice_and_a_guide_that_cannot_compile(default_pipe):
+    """guided_choice through the pipeline answers one of the choices, for each prompt of a call; a regex the
+    replica cannot compile ends that request with finish_reason "error"."""
+    answers = default_pipe(["Is Paris in France? Answer:", "x"], max_new_tokens=8, guided_choice=["yes", "no"])
+    assert all(r.generated_text in ("yes", "no") and r.finish_reason == "stop" for r in answers)
+    [bad] = default_pipe("x", max_new_tokens=4, guided_regex="a(?=b)")
+    assert bad.finish_reason == "error"

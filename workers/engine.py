@@ -25,6 +25,7 @@ from mii_async.request_limits import RequestLimits
 from . import kv_cache
 from .block_manager import BlockManager
 from .cuda_graphs import DecodeGraphs, graph_reserve
+from .guides import GuideCompiler, GuidedRequests
 from .loader import TensorReader, WeightReader, load_spec
 from .memory_plan import MemoryPlan, plan_kv, profile_step
 from .models.llama import LlamaModel
@@ -44,6 +45,15 @@ class EngineOutput(NamedTuple):
     logprobs: TokenLogprobs | None
     finish_reason: str | None           # "stop" (EOS / stop id) | "length" | None while running
     cached_tokens: int                  # prompt tokens this request took from the prefix cache
+
+
+def _advance(guide, tok: int) -> bool:
+    """Moves a guide on by the token read; False if it refuses the token."""
+    try:
+        guide.advance(tok, return_tokens=False)
+    except Exception:  # noqa: BLE001 - outlines-core's own error types
+        return False
+    return True
 
 
 class _InFlight(NamedTuple):
@@ -129,6 +139,8 @@ class Engine:
         if tp is not None:
             self.async_scheduling = False   # the other ranks would need the device ids too: not yet
         self._inflight: _InFlight | None = None
+        self.guided: GuidedRequests | None = None      # made at the first guided request
+        self.failed: list[tuple[int, str]] = []        # (req_id, why) of requests ended here: `take_failed`
         # What exists now (the model, its modules, the tokenizer, the process's imports) lives as long as the
         # engine: moved out of the collector's generations, so that a full collection during serving does not
         # walk it (one took 284 ms, a whole step, in the H200 mixed load).
@@ -155,13 +167,36 @@ class Engine:
         seq = Sequence(req_id, list(prompt_ids), params)
         seq.max_tokens = min(seq.max_tokens, self.max_model_len)
         self.seqs[req_id] = seq
-        self.scheduler.add(seq)
+        if params.guide is None:
+            self.scheduler.add(seq)
+            return
+        if self.guided is None:
+            self.guided = GuidedRequests(GuideCompiler(self.model_path, self.spec.eos_token_ids))
+        self.guided.hold(seq)                          # scheduled once its automaton is compiled (`_admit_guided`)
+
+    def take_failed(self) -> list[tuple[int, str]]:
+        """The requests the engine ended with an error since the last call (a guide that cannot be compiled):
+        the caller tells their clients."""
+        failed, self.failed = self.failed, []
+        return failed
+
+    def _admit_guided(self) -> None:
+        admitted, failed = self.guided.ready()       # type: ignore[union-attr]
+        for seq in admitted:
+            self.scheduler.add(seq)
+        for seq, why in failed:
+            del self.seqs[seq.req_id]
+            self.failed.append((seq.req_id, why))
+        if not admitted and not self.scheduler.has_work() and self._inflight is None:
+            self.guided.wait(0.01)                     # type: ignore[union-attr] - nothing else to do: no spin
 
     def abort(self, req_id: int) -> bool:
         """Ends a request now and frees its blocks; False if it was not live."""
         seq = self.seqs.pop(req_id, None)
         if seq is None:
             return False
+        if self.guided is not None and self.guided.drop(req_id):
+            return True                                # still compiling: it holds nothing
         self.scheduler.remove(seq)
         self.sampler.release(req_id)
         return True
@@ -171,7 +206,8 @@ class Engine:
         return self.block_manager.reset_prefix_cache()
 
     def has_work(self) -> bool:
-        return self._inflight is not None or self.scheduler.has_work()
+        return (self._inflight is not None or self.scheduler.has_work()
+                or (self.guided is not None and bool(self.guided.pending)))
 
     # -- the step ------------------------------------------------------------------------------------
     def step(self, emit: Callable[[list[EngineOutput]], None] | None = None) -> list[EngineOutput]:
@@ -183,6 +219,8 @@ class Engine:
         blocks the host once the device's launch queue is full, until the device has run most of it; reading
         only after the launch would hold finished tokens back by up to a step, and deliver two steps' tokens
         at once). Tokens passed to `emit` are not returned."""
+        if self.guided is not None and self.guided.pending:
+            self._admit_guided()
         if self.async_scheduling:
             return self._step_async(emit)
         launched = self._launch(None)
@@ -276,6 +314,8 @@ class Engine:
                 reason = "length"
             else:
                 reason = None
+            if seq.guide is not None and reason is None and (tok in eos or not _advance(seq.guide, tok)):
+                reason = "stop"              # a guide's mask allows an end id only once the output is complete
             if reason is not None:
                 del out[n:]                  # the next step's placeholder, if it was scheduled
                 seq.num_pending = 0

@@ -1,7 +1,8 @@
 """Sampler: logits processing and token choice for one step's sampled rows.
 
 Order (HF's, then vLLM's): repetition penalty over prompt + output → presence/frequency penalties over the
-output → logit_bias is added → min_new_tokens masks the end ids → logprobs are taken here, of the processed-by-penalties logits
+output → logit_bias is added → min_new_tokens masks the end ids → a guided row's guide masks every token
+that would leave it → logprobs are taken here, of the processed-by-penalties logits
 before temperature → temperature, top-k, top-p, min-p → choice. Greedy rows take the argmax.
 
 Random choice is the exponential race (argmax p_i / E_i with E_i ~ Exp(1)), which equals sampling from p.
@@ -14,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from .guides import guide_masks
 from .sequence import Sequence, Status
 
 
@@ -105,6 +107,11 @@ class Sampler:
             return _staged(torch.argmax(lg, -1), len(seqs))
         logits = logits[:, : self.vocab_size].to(torch.float32, copy=True).contiguous()   # written in place
         self._penalize(logits, seqs)
+        guided = [i for i, s in enumerate(seqs) if s.guide is not None]
+        if guided:                                   # every token that would leave a row's guide is masked
+            idx = to_device(guided, logits.device)
+            allowed = guide_masks([seqs[i].guide for i in guided], logits.shape[1], logits.device)
+            logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
         want_lp = [s.params.logprobs for s in seqs]
         lp_rows = [i for i, n in enumerate(want_lp) if n is not None]
         logprobs = torch.log_softmax(logits[to_device(lp_rows, logits.device)], -1) if lp_rows else None
@@ -168,7 +175,7 @@ class Sampler:
                 for tid, b in p.logit_bias:
                     bias_at.append(row + tid)
                     bias.append(b)
-            if len(s.output_ids) < p.min_new_tokens:
+            if len(s.output_ids) < p.min_new_tokens and s.guide is None:   # a guide decides where it ends
                 ends = tuple(t for t in (*self.end_ids, *p.stop_token_ids) if t < logits.shape[1])
                 if ends:
                     masked.setdefault(ends, []).append(i)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from mii_async.params import SamplingParams
 
@@ -36,13 +37,16 @@ class Sequence:
     # logit bias, no min_new_tokens mask, no logprobs): the sampler takes one batched argmax when every row is plain.
     # Derived from the frozen params once, so the per-step check is one attribute read.
     plain: bool = field(init=False)
-    # True when sampling never reads the output so far (no repetition / presence / frequency penalty): a step
-    # may then be sampled while this request's previous token is still a placeholder.
+    # True when sampling never reads the output so far (no repetition / presence / frequency penalty, no
+    # guide): a step may then be sampled while this request's previous token is still a placeholder.
     history_free: bool = field(init=False)
+    guide: Any = None                    # guided generation: the outlines-core Guide walking its automaton (set at
+                                         # admission, advanced by each token read)
 
     def __post_init__(self) -> None:
         p = self.params
-        self.history_free = p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+        self.history_free = (p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+                             and p.guide is None)     # a guide's next mask follows the last token
         self.plain = (p.greedy and p.logprobs is None and p.min_new_tokens == 0 and self.history_free
                       and not p.logit_bias)
         if not self.max_tokens:

@@ -174,6 +174,8 @@ class Worker:
                 eng.abort(req_id)
                 self.sock.send(P.RequestFailed(req_id, f"engine step failed: {type(exc).__name__}: {exc}"))
             return
+        for req_id, why in eng.take_failed():         # e.g. a guide this model's vocabulary cannot follow
+            self.sock.send(P.RequestFailed(req_id, why))
         now = time.monotonic()
         if now - self._stats_at > STATS_REFRESH_S:    # for the heartbeats; not worth doing every step
             self.stats, self._stats_at = eng.stats(), now

@@ -37,7 +37,31 @@ def _common(body: _Common) -> dict[str, Any]:
         p["stop_token_ids"] = list(body.stop_token_ids)
     if body.logit_bias:
         p["logit_bias"] = [[k, b] for k, b in body.logit_bias.items()]
+    for name in ("guided_json", "guided_regex", "guided_choice"):
+        if (v := getattr(body, name)) is not None:
+            p[name] = v
     return p
+
+
+def _response_format(rf: dict[str, Any] | None) -> dict[str, Any]:
+    """OpenAI's response_format → our guided_json: json_object is any JSON object, json_schema its schema."""
+    kind = (rf or {}).get("type", "text")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        schema: Any = {"type": "object"}
+    elif kind == "json_schema":
+        schema = (rf.get("json_schema") or {}).get("schema") if isinstance(rf.get("json_schema"), dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request("response_format", "json_schema needs a schema: {\"type\": \"json_schema\", "
+                                                 "\"json_schema\": {\"name\": …, \"schema\": {…}}}")
+    else:
+        raise bad_request("response_format", f"type must be text, json_object or json_schema, got {kind!r}")
+    try:
+        SamplingParams(guided_json=schema)
+    except InvalidParameterError as exc:
+        raise bad_request("response_format", str(exc).removeprefix("guided_json: ")) from None
+    return {"guided_json": schema}
 
 
 def _n(body: _Common) -> int:
@@ -118,11 +142,13 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
 async def chat_jobs(body: ChatCompletionRequest, state: GatewayState) -> list[Job]:
     if body.tools or body.functions:
         raise bad_request("tools" if body.tools else "functions", "tool calling is not supported")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise bad_request("response_format", "only response_format type 'text' is supported")
     n = _n(body)
     messages = chat_messages(body.messages)
     params = _common(body)
+    if guided := _response_format(body.response_format):
+        if any(k in params for k in ("guided_json", "guided_regex", "guided_choice")):
+            raise bad_request("response_format", "give either response_format or a guided_* field, not both")
+        params.update(guided)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params["max_new_tokens"] = max_tokens if max_tokens is not None else await state.room_for(messages)
     if body.top_logprobs is not None and not body.logprobs:

@@ -37,6 +37,9 @@ class _Common(BaseModel):
     stop_token_ids: Optional[list[int]] = None
     skip_special_tokens: Optional[bool] = None
     include_stop_str_in_output: Optional[bool] = None
+    guided_json: Optional[Union[dict[str, Any], str]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
 
 
 class CompletionRequest(_Common):

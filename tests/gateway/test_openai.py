@@ -101,6 +101,36 @@ def test_logit_bias_forces_and_bans_tokens(oai, model, deployment, gateway_url):
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
 
 
+def test_response_format_guides_the_answer(oai, model, deployment, gateway_url):
+    """response_format json_schema gives JSON that the schema admits, the same text as the client API with
+    guided_json; json_object gives a JSON object; a schema the compiler refuses is a 400 naming
+    response_format; a regex the replica cannot compile ends that request with finish_reason "error"."""
+    import json
+
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 30},
+                                               "country": {"type": "string", "maxLength": 30}},
+              "required": ["capital", "country"]}
+    r = oai.chat.completions.create(model=model, messages=QUESTION, max_tokens=48, temperature=0,
+                                    response_format={"type": "json_schema",
+                                                     "json_schema": {"name": "answer", "schema": schema}})
+    doc = json.loads(r.choices[0].message.content)
+    assert set(doc) == {"capital", "country"} and r.choices[0].finish_reason == "stop"
+    [expected] = deployment([QUESTION], max_new_tokens=48, guided_json=schema)
+    assert r.choices[0].message.content == expected.generated_text
+    r = oai.chat.completions.create(model=model, messages=QUESTION, max_tokens=64, temperature=0,
+                                    response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "length" or isinstance(json.loads(r.choices[0].message.content), dict)
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=model, messages=QUESTION, max_tokens=8,
+                                    response_format={"type": "json_schema", "json_schema": {"schema": {"type": "x"}}})
+    assert e.value.body["param"] == "response_format"
+    r = oai.completions.create(model=model, prompt="Pick:", max_tokens=4, temperature=0,
+                               extra_body={"guided_choice": ["red", "green"]})
+    assert r.choices[0].text in ("red", "green")
+    [failed] = deployment(["x"], max_new_tokens=4, guided_regex="a(?=b)")
+    assert failed.finish_reason == "error"
+
+
 def test_errors_in_openai_format(oai, model, gateway_url):
     """Invalid input is a 400 naming the parameter, an unknown model a 404, both as the openai package's
     typed errors; a request that can never fit is a 400 on max_tokens."""
