@@ -134,3 +134,31 @@ def test_abort_while_compiling_and_a_guide_that_cannot_compile(engine):
     assert [r for r, _ in failed] == [2] and "cannot be compiled" in failed[0][1]
     assert len(done[3]) == 4 and 2 not in done and not engine.seqs
     assert engine.block_manager.num_free == engine.num_blocks
+
+
+def test_token_bytes_of_a_sentencepiece_vocabulary():
+    """A Llama-2-style vocabulary (Metaspace, byte fallback): ▁ is a space and <0xHH> a raw byte, so the tokens
+    of any text spell its bytes (after the ▁ that Metaspace puts before the first word)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from mii_async.workers.guides import token_bytes
+
+    trained = Tokenizer(models.BPE(unk_token="<unk>"))
+    trained.pre_tokenizer = pre_tokenizers.Metaspace()
+    trained.train_from_iterator(["the cat sat on the mat", "a naive café in Paris", "hello world"] * 20,
+                                trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"]))
+    vocab = {**trained.get_vocab(), **{f"<0x{b:02X}>": 1000 + b for b in range(256)}}
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
+              for m in json.loads(trained.to_str())["model"]["merges"]]
+    sp = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    sp.pre_tokenizer = pre_tokenizers.Metaspace()
+    sp.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=sp, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    by_id = {i: b for b, ids in token_bytes(tok).items() for i in ids}
+    for text in ["the cat sat", "naive café", "東京 🙂 x"]:
+        ids = tok.encode(text, add_special_tokens=False)
+        if text.startswith("東"):
+            assert any(i >= 1000 for i in ids)               # the byte fallback was used
+        assert b"".join(by_id[i] for i in ids) == b" " + text.encode("utf-8"), (text, ids)
