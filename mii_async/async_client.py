@@ -26,6 +26,7 @@ import zmq.asyncio
 
 from . import protocol as P
 from .errors import UnavailableError, error_from_code
+from .guided import normalize_json_schema
 from .outputs import Logprob, Response, StreamChunk, Usage
 from .params import SamplingParams
 from .client_connection import Connection, Lost, within
@@ -272,11 +273,13 @@ class AsyncClient:
 
 
 def _wire_params(params: dict[str, Any]) -> dict[str, Any]:
-    """msgpack-ready: tuples as lists, and logit_bias's {id: bias} as [id, bias] pairs (a msgpack map's keys
-    must be strings)."""
+    """msgpack-ready: tuples as lists, logit_bias's {id: bias} as [id, bias] pairs (a msgpack map's keys
+    must be strings), and a guided_json schema as its checked JSON text."""
     out = {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()}
     if isinstance(out.get("logit_bias"), dict):
         out["logit_bias"] = [[k, b] for k, b in out["logit_bias"].items()]
+    if isinstance(out.get("guided_json"), dict):
+        out["guided_json"] = normalize_json_schema(out["guided_json"])
     return out
 
 

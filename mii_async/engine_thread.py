@@ -89,6 +89,7 @@ class EngineThread:
                 if cmd[0] == "stop":
                     for req_id in list(self._sinks):
                         self._end(req_id, Ended("abort", "the pipeline was closed"))
+                    eng.close()
                     return
                 self._handle(cmd)
                 cmd = self._next_nowait()

@@ -155,7 +155,7 @@ def _logit_bias(v: Any) -> tuple[tuple[int, float], ...]:
         tid = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 11 else key
         if not _is_int(tid) or not 0 <= tid <= MAX_TOKEN_ID:
             raise InvalidParameterError("logit_bias", f"keys must be token ids (integers in [0, 2**32)), got {key!r}")
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100.0 <= float(bias) <= 100.0:
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:   # (NaN too)
             raise InvalidParameterError("logit_bias", f"the bias of token {tid} must be a number in [-100, 100], "
                                                       f"got {bias!r}")
         if tid in out:

@@ -76,8 +76,9 @@ def test_normalisation():
 
 
 def test_import_is_light():
-    """`import mii_async` loads neither torch nor cupy nor transformers."""
-    code = "import sys, mii_async; print(sorted(m for m in ('torch', 'cupy', 'transformers') if m in sys.modules))"
+    """`import mii_async` loads neither torch nor cupy nor transformers nor outlines-core."""
+    code = ("import sys, mii_async; print(sorted(m for m in ('torch', 'cupy', 'transformers', 'outlines_core') "
+            "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -93,6 +94,9 @@ def test_logit_bias_is_checked_and_normalized():
         with pytest.raises(InvalidParameterError) as info:
             SamplingParams(logit_bias=bad)
         assert info.value.param == "logit_bias", bad
+    with pytest.raises(InvalidParameterError) as info:
+        SamplingParams(logit_bias={1: 10 ** 400})              # too large for a float: still named
+    assert info.value.param == "logit_bias"
     with pytest.raises(InvalidParameterError, match="outside the vocabulary") as info:
         SamplingParams(logit_bias={50: 1}).check_vocab(50)
     assert info.value.param == "logit_bias"

@@ -25,7 +25,8 @@ from mii_async.request_limits import RequestLimits
 from . import kv_cache
 from .block_manager import BlockManager
 from .cuda_graphs import DecodeGraphs, graph_reserve
-from .guides import GuideCompiler, GuidedRequests
+from .guide_compiler import GuideCompiler
+from .guides import GuidedRequests
 from .loader import TensorReader, WeightReader, load_spec
 from .memory_plan import MemoryPlan, plan_kv, profile_step
 from .models.llama import LlamaModel
@@ -45,15 +46,6 @@ class EngineOutput(NamedTuple):
     logprobs: TokenLogprobs | None
     finish_reason: str | None           # "stop" (EOS / stop id) | "length" | None while running
     cached_tokens: int                  # prompt tokens this request took from the prefix cache
-
-
-def _advance(guide, tok: int) -> bool:
-    """Moves a guide on by the token read; False if it refuses the token."""
-    try:
-        guide.advance(tok, return_tokens=False)
-    except Exception:  # noqa: BLE001 - outlines-core's own error types
-        return False
-    return True
 
 
 class _InFlight(NamedTuple):
@@ -173,6 +165,11 @@ class Engine:
         if self.guided is None:
             self.guided = GuidedRequests(GuideCompiler(self.model_path, self.spec.eos_token_ids))
         self.guided.hold(seq)                          # scheduled once its automaton is compiled (`_admit_guided`)
+
+    def close(self) -> None:
+        """Stops what the engine started besides its tensors (the guide compiler's process). Idempotent."""
+        if self.guided is not None:
+            self.guided.close()
 
     def take_failed(self) -> list[tuple[int, str]]:
         """The requests the engine ended with an error since the last call (a guide that cannot be compiled):
@@ -314,8 +311,10 @@ class Engine:
                 reason = "length"
             else:
                 reason = None
-            if seq.guide is not None and reason is None and (tok in eos or not _advance(seq.guide, tok)):
+            if seq.guide is not None and reason is None and (tok in eos or not seq.guide.advance(tok)):
                 reason = "stop"              # a guide's mask allows an end id only once the output is complete
+                if tok not in eos:
+                    log.warning("request %d: token %d is outside its guide; ended", seq.req_id, tok)
             if reason is not None:
                 del out[n:]                  # the next step's placeholder, if it was scheduled
                 seq.num_pending = 0

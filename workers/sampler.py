@@ -114,7 +114,9 @@ class Sampler:
             logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
         want_lp = [s.params.logprobs for s in seqs]
         lp_rows = [i for i, n in enumerate(want_lp) if n is not None]
-        logprobs = torch.log_softmax(logits[to_device(lp_rows, logits.device)], -1) if lp_rows else None
+        # A masked token's logprob is -inf, which JSON cannot carry: floored at -9999 (as vLLM does).
+        logprobs = (torch.log_softmax(logits[to_device(lp_rows, logits.device)], -1).clamp_min_(-9999.0)
+                    if lp_rows else None)
 
         chosen = torch.argmax(logits, -1)                       # [S]; greedy rows keep this
         rows = [i for i, s in enumerate(seqs) if not s.params.greedy]

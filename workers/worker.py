@@ -70,6 +70,7 @@ class Worker:
             finally:
                 self._stop.set()
                 hb.join(timeout=assign.heartbeat_s + 1.0)
+                self.engine.close()
                 if self.engine.tp is not None:
                     self.engine.tp.close()
             return 0
@@ -174,8 +175,9 @@ class Worker:
                 eng.abort(req_id)
                 self.sock.send(P.RequestFailed(req_id, f"engine step failed: {type(exc).__name__}: {exc}"))
             return
-        for req_id, why in eng.take_failed():         # e.g. a guide this model's vocabulary cannot follow
-            self.sock.send(P.RequestFailed(req_id, why))
+        finally:
+            for req_id, why in eng.take_failed():     # e.g. a guide this model's vocabulary cannot follow
+                self.sock.send(P.RequestFailed(req_id, why))
         now = time.monotonic()
         if now - self._stats_at > STATS_REFRESH_S:    # for the heartbeats; not worth doing every step
             self.stats, self._stats_at = eng.stats(), now

@@ -24,6 +24,23 @@ def test_generate_with_the_mii_body(gateway_url, deployment):
             (e.prompt_length, e.generated_length, e.finish_reason)
 
 
+def test_logit_bias_and_guides_in_the_mii_body(gateway_url, deployment):
+    """logit_bias with string ids (JSON's only kind of key) and guided_json reach the engine from REST: the
+    answers equal the client API's with the same values."""
+    [plain] = deployment(["The capital of France is"], max_new_tokens=2)
+    tid = plain.token_ids[0]
+    body = {"prompts": ["The capital of France is"], "max_new_tokens": 3, "logit_bias": {str(tid): -100}}
+    r = httpx.post(f"{gateway_url}/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    [expected] = deployment(body["prompts"], max_new_tokens=3, logit_bias={tid: -100})
+    assert r.json()[0]["generated_text"] == expected.generated_text and expected.token_ids[0] != tid
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 12}}, "required": ["answer"]}
+    body = {"prompts": ["The capital of France is"], "max_new_tokens": 24, "guided_json": schema}
+    r = httpx.post(f"{gateway_url}/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert set(json.loads(r.json()[0]["generated_text"])) == {"answer"}
+
+
 def test_mii_path_and_streaming(gateway_url, deployment):
     """POST /mii/{model name} answers like /generate; "stream": true sends SSE events per step ending in
     [DONE], whose text adds up to the non-streamed answer; an unknown deployment name is a 404."""

@@ -27,10 +27,16 @@ def tokenizer(default_model_dir):
 
 @pytest.fixture(scope="module")
 def engine(default_model_dir):
-    return make_engine(default_model_dir, kv_cache_memory=0.1)
+    eng = make_engine(default_model_dir, kv_cache_memory=0.1)
+    yield eng
+    eng.close()
+
+
+_LOGPROBS: dict[int, list] = {}
 
 
 def _run(engine, prompts: list[list[int]], params: list[SamplingParams]) -> dict[int, tuple[list[int], str]]:
+    _LOGPROBS.clear()
     base = 70_000 + engine.num_steps * 100
     outs: dict[int, list[int]] = {base + i: [] for i in range(len(prompts))}
     reasons: dict[int, str] = {}
@@ -39,6 +45,8 @@ def _run(engine, prompts: list[list[int]], params: list[SamplingParams]) -> dict
     while engine.has_work():
         for o in engine.step():
             outs[o.req_id].append(o.token_id)
+            if o.logprobs is not None:
+                _LOGPROBS.setdefault(o.req_id - base, []).append(o.logprobs)
             if o.finish_reason:
                 reasons[o.req_id] = o.finish_reason
     assert engine.take_failed() == []
@@ -53,37 +61,52 @@ def _chat(tokenizer, question: str) -> list[int]:
 
 def test_token_bytes_spell_every_text(tokenizer):
     """The bytes given to each token concatenate, over any encoding, to the text's UTF-8 bytes."""
-    from mii_async.workers.guides import token_bytes
+    from mii_async.workers.guide_compiler import token_bytes
 
     by_id = {i: b for b, ids in token_bytes(tokenizer).items() for i in ids}
-    assert len(by_id) >= len(tokenizer) - len(tokenizer.all_special_ids) - 1
     for text in ["Hello, world!", "  two spaces\nand a newline\t", "naïve café — 東京 🙂", '{"a": [1, 2.5e-3]}']:
         ids = tokenizer.encode(text, add_special_tokens=False)
         assert b"".join(by_id[i] for i in ids) == text.encode("utf-8")
 
 
-def test_masks_equal_the_guides_allowed_tokens(engine):
-    """The bool mask of a guide's state holds exactly the ids outlines-core allows there."""
-    from outlines_core import Guide
+def test_special_tokens_are_never_in_a_guide(tokenizer):
+    """Every added token marked special (<|im_end|>, <repo_name>, …) is left out of the guide's vocabulary."""
+    from mii_async.workers.guide_compiler import token_bytes
 
-    from mii_async.workers.guides import GuideCompiler, guide_masks
+    ids = {i for group in token_bytes(tokenizer).values() for i in group}
+    special = {i for i, t in tokenizer.backend_tokenizer.get_added_tokens_decoder().items() if t.special}
+    assert special and not ids & special and len(ids) == len(tokenizer) - len(special)
+
+
+def test_masks_equal_the_guides_allowed_tokens(engine):
+    """The bool mask of a guide's state holds exactly the ids outlines-core allows there, on the CPU path and
+    through the device path's unpacking (run on the CPU), also when the words come from the cache."""
+    from mii_async.workers.guide_compiler import GuideCompiler
+    from mii_async.workers.guides import RequestGuide, guide_masks
 
     compiler = GuideCompiler(engine.model_path, engine.spec.eos_token_ids)
-    idx = compiler.index(("guided_json", json.dumps(SCHEMA))).result()
-    g = Guide(idx)
-    for _ in range(6):
-        allowed = g.get_tokens()
-        mask = guide_masks([g], engine.spec.vocab_size, torch.device("cpu"))
-        assert mask.shape == (1, engine.spec.vocab_size)
-        assert set(mask[0].nonzero().flatten().tolist()) == set(allowed)
-        g.advance(allowed[-1], return_tokens=False)
+    try:
+        g = RequestGuide(*compiler.index(("guided_json", json.dumps(SCHEMA))).result())
+    finally:
+        compiler.close()
+    for _ in range(2):
+        g2 = RequestGuide.__new__(RequestGuide)
+        g2.guide, g2.key = g.guide, g.key
+        for _ in range(6):
+            allowed = g.guide.get_tokens()
+            mask = guide_masks([g, g2], engine.spec.vocab_size, torch.device("cpu"))
+            assert mask.shape == (2, engine.spec.vocab_size)
+            assert set(mask[0].nonzero().flatten().tolist()) == set(allowed) == set(mask[1].nonzero().flatten().tolist())
+            g.advance(allowed[-1])
+        g.guide.reset()
 
 
 def test_outputs_match_their_guides(engine, tokenizer):
     """JSON schema, JSON mode, regex and choice, greedy and sampled, in one batch with an unguided request:
-    each guided output matches its guide and ends with "stop"; the unguided one runs to its length."""
+    each guided output matches its guide and ends with "stop"; the unguided one runs to its length. Logprobs
+    of a guided row are finite (masked tokens floored at -9999)."""
     prompt = _chat(tokenizer, "Describe Paris as JSON.")
-    params = [SamplingParams(max_new_tokens=80, guided_json=SCHEMA),
+    params = [SamplingParams(max_new_tokens=80, guided_json=SCHEMA, logprobs=5),
               SamplingParams(max_new_tokens=80, guided_json=SCHEMA, temperature=1.0, seed=3),
               SamplingParams(max_new_tokens=12, guided_regex=r"[0-9]{3}-[A-Z]{2}"),
               SamplingParams(max_new_tokens=12, guided_choice=["yes", "no", "maybe not"], temperature=1.0, seed=1),
@@ -100,28 +123,48 @@ def test_outputs_match_their_guides(engine, tokenizer):
     ids, reason = outs[3]
     assert reason == "stop" and tokenizer.decode(ids, skip_special_tokens=True) in ("yes", "no", "maybe not")
     assert outs[4][1] == "length" and len(outs[4][0]) == 10
+    assert all(-9999.0 <= v <= 0.0 for lp in _LOGPROBS[0] for _, v in lp.top) and _LOGPROBS[0]
 
 
-def test_json_mode_and_async_scheduling(default_model_dir, tokenizer):
-    """JSON mode ({"type": "object"}) under async scheduling gives the synchronous engine's output, a JSON
-    object; every KV block is back at the end."""
-    prompt = _chat(tokenizer, "Give me a JSON object about cats.")
-    texts = []
-    for mode in (False, True):
-        eng = make_engine(default_model_dir, kv_cache_memory=0.05, async_scheduling=mode)
-        [(ids, reason)] = _run(eng, [prompt], [SamplingParams(max_new_tokens=60, guided_json={"type": "object"})]
-                               ).values()
-        texts.append((tokenizer.decode(ids, skip_special_tokens=True), reason))
-        assert eng.block_manager.num_free == eng.num_blocks
-    assert texts[0] == texts[1]
-    text, reason = texts[0]
-    assert reason == "length" or isinstance(json.loads(text), dict), texts
+def test_json_mode_ends_with_an_object(engine, tokenizer):
+    """JSON mode ({"type": "object"}): the answer is one JSON object, ended by the model once it is closed."""
+    prompt = _chat(tokenizer, "What is the capital of France? Answer in JSON.")
+    [(ids, reason)] = _run(engine, [prompt], [SamplingParams(max_new_tokens=200, guided_json={"type": "object"})]
+                           ).values()
+    assert reason == "stop" and isinstance(json.loads(tokenizer.decode(ids, skip_special_tokens=True)), dict)
+
+
+def test_async_scheduling_and_preemption_give_the_same_outputs(default_model_dir, tokenizer):
+    """Guided rows (one with a penalty) beside history-free unguided ones: async scheduling, and a pool so
+    small that requests are preempted and recomputed, give the synchronous engine's outputs (a recompute must
+    not walk a guide twice); every KV block comes back."""
+    prompts = [_chat(tokenizer, q) for q in ("Describe Paris as JSON.", "Describe Rome as JSON.", "Hi!", "Count:")]
+    params = [SamplingParams(max_new_tokens=60, guided_json=SCHEMA),
+              SamplingParams(max_new_tokens=60, guided_json=SCHEMA, repetition_penalty=1.2),
+              SamplingParams(max_new_tokens=24, min_new_tokens=24),
+              SamplingParams(max_new_tokens=16, guided_regex=r"( [0-9]+,){3,8}")]
+    runs = []
+    for opts in ({"async_scheduling": False, "num_blocks": 256}, {"async_scheduling": True, "num_blocks": 256},
+                 {"async_scheduling": True, "num_blocks": 8, "block_size": 16}):
+        eng = make_engine(default_model_dir, **opts)
+        try:
+            runs.append(_run(eng, prompts, params))
+            assert eng.block_manager.num_free == eng.num_blocks
+            if opts["num_blocks"] == 8:
+                assert eng.scheduler.num_preemptions > 0
+        finally:
+            eng.close()
+    assert runs[0] == runs[1] == runs[2]
+    assert all(runs[0][i][1] == "stop" for i in (0, 1))
 
 
 def test_abort_while_compiling_and_a_guide_that_cannot_compile(engine):
-    """A request aborted while its automaton compiles leaves nothing behind; a regex outlines-core refuses
-    (a lookahead) fails that request alone, reported by take_failed, while another request finishes."""
-    engine.add_request(1, [1, 2, 3], SamplingParams(max_new_tokens=4, guided_regex="x{1,3}(ab|cd)*y{2,9}z"))
+    """A request aborted after a step ran while its automaton still compiled leaves nothing behind; a regex
+    outlines-core refuses (a lookahead) fails that request alone, reported by take_failed, while another
+    request finishes."""
+    engine.add_request(1, [1, 2, 3], SamplingParams(max_new_tokens=4, guided_regex="[a-z]{0,90}(ab|cd)*y{2,9}z"))
+    engine.step()                                   # the compile takes longer than this step's wait
+    assert 1 in engine.guided.pending
     assert engine.abort(1) and not engine.has_work() and 1 not in engine.seqs
     engine.add_request(2, [1, 2, 3], SamplingParams(max_new_tokens=4, guided_regex="a(?=b)"))
     engine.add_request(3, [1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True))
@@ -136,13 +179,32 @@ def test_abort_while_compiling_and_a_guide_that_cannot_compile(engine):
     assert engine.block_manager.num_free == engine.num_blocks
 
 
+def test_a_compile_past_its_limits_fails_only_its_request(default_model_dir):
+    """A regex whose automaton outgrows the compiler's memory limit, and one past its deadline, fail their
+    request with the reason; the compiler's process is replaced and the next guide compiles."""
+    from mii_async.workers.guide_compiler import GuideCompiler
+
+    compiler = GuideCompiler(default_model_dir, [2], memory_gib=1.0, timeout_s=60)
+    try:
+        with pytest.raises(Exception, match="GiB|exited"):
+            compiler.index(("guided_regex", "[^\\n]{0,3000}")).result(timeout=120)
+        compiler.timeout_s = 0.5
+        with pytest.raises(Exception, match="longer than 0.5 s"):
+            compiler.index(("guided_regex", "[^\\n]{0,200}x")).result(timeout=120)
+        compiler.timeout_s = 60
+        index, _ = compiler.index(("guided_choice", ("yes", "no"))).result(timeout=120)
+        assert index is not None
+    finally:
+        compiler.close()
+
+
 def test_token_bytes_of_a_sentencepiece_vocabulary():
     """A Llama-2-style vocabulary (Metaspace, byte fallback): ▁ is a space and <0xHH> a raw byte, so the tokens
     of any text spell its bytes (after the ▁ that Metaspace puts before the first word)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from mii_async.workers.guides import token_bytes
+    from mii_async.workers.guide_compiler import token_bytes
 
     trained = Tokenizer(models.BPE(unk_token="<unk>"))
     trained.pre_tokenizer = pre_tokenizers.Metaspace()

@@ -13,6 +13,18 @@ def _seq(i, **params):
     return Sequence(i, [5, 6, 7, 5], SamplingParams(**params), output_ids=[7, 9, 9])
 
 
+def _guided(seq):
+    """`seq` with its guide, over a 50-token vocabulary of letters (id 2 is the end id)."""
+    if seq.params.guided_regex is not None:
+        from outlines_core import Index, Vocabulary
+
+        from mii_async.workers.guides import RequestGuide
+
+        vocab = Vocabulary(2, {bytes([97 + j % 26]) * (1 + j // 26): [j] for j in range(50) if j != 2})
+        seq.guide = RequestGuide(Index(seq.params.guided_regex, vocab), 1)
+    return seq
+
+
 @pytest.mark.parametrize("params", [dict(top_k=5), dict(top_p=0.7), dict(min_p=0.2), dict(top_k=8, top_p=0.5),
                                     dict(temperature=0.5, top_p=0.9)])
 def test_filters_match_transformers(params):
@@ -70,11 +82,14 @@ def test_logit_bias_is_added_before_the_choice():
     rows = [_seq(0, logit_bias={8: 100.0}), _seq(1), _seq(2, logit_bias={"4": -100})]
     assert s(logits, rows).token_ids == [8, 4, 0]
     out = logits.clone()
-    s._penalize(out, [_seq(0, logit_bias={3: 1.5, 9: -2.0}), _seq(1)])
+    s._penalize(out, [_seq(0, logit_bias={3: 1.5, 9: -2.0}), _seq(1), _seq(2, repetition_penalty=2.0,
+                                                                        logit_bias={7: 1.0})])
     expected = logits.clone()
     expected[0, 3] += 1.5
     expected[0, 9] -= 2.0
-    assert torch.equal(out, expected)
+    expected[2, 7] = 1.0        # token 7 is in the history: penalized first (0 stays 0), then biased (+1);
+                                # biased first, it would be (0 + 1) / 2
+    assert torch.equal(out, expected), out
     draws = {s(logits[:1], [_seq(i, temperature=1.0, seed=i, logit_bias={4: -100})]).token_ids[0] for i in range(200)}
     assert 4 not in draws and len(draws) > 3
 
@@ -92,27 +107,28 @@ def test_seeded_draws_follow_the_distribution():
 
 @pytest.mark.gpu
 def test_launch_never_waits_on_the_device():
-    """On CUDA, `launch` for every kind of row (filters, seeds, penalties, logit bias, min_new_tokens, logprobs)
-    makes no synchronizing call (torch's sync debug mode raises on one), so async scheduling overlaps sampled
+    """On CUDA, `launch` for every kind of row (filters, seeds, penalties, logit bias, guides, min_new_tokens,
+    logprobs) makes no synchronizing call (torch's sync debug mode raises on one), so async scheduling overlaps sampled
     steps; the same rows on the CPU give the same tokens."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     kinds = [dict(), dict(temperature=0.8, top_k=5, top_p=0.9, seed=3), dict(temperature=1.0, min_p=0.1),
              dict(temperature=0.7, top_k=0), dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2),
              dict(min_new_tokens=8), dict(logprobs=3), dict(temperature=0.9, seed=11, logprobs=2),
-             dict(logit_bias={7: 5.0, 9: -100.0}), dict(temperature=0.6, seed=5, logit_bias={1: 3.0})]
+             dict(logit_bias={7: 5.0, 9: -100.0}), dict(temperature=0.6, seed=5, logit_bias={1: 3.0}),
+             dict(guided_regex="[a-c]+"), dict(guided_regex="[a-c]+", temperature=1.0, seed=2, logprobs=2)]
     logits = torch.randn(len(kinds), 50) * 3
     results = []
     for device in ("cpu", "cuda"):
         sampler = Sampler(50, frozenset({2}), torch.device(device))
-        seqs = [_seq(i, **k) for i, k in enumerate(kinds)]
+        seqs = [_guided(_seq(i, **k)) for i, k in enumerate(kinds)]
         lg = logits.to(device)
         torch.cuda.synchronize()
         if device == "cuda":                  # each kind alone first, so that a failure names it
             for i, k in enumerate(kinds):
                 torch.cuda.set_sync_debug_mode("error")
                 try:
-                    sampler.launch(lg[i:i + 1], [_seq(100 + i, **k)])
+                    sampler.launch(lg[i:i + 1], [_guided(_seq(100 + i, **k))])
                 except RuntimeError as exc:
                     raise AssertionError(f"launch of {k} synchronizes: {exc}") from exc
                 finally:

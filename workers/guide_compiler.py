@@ -1,0 +1,212 @@
+"""A guide's regex compiled into a token automaton (outlines-core's Index) for one model's vocabulary, in a
+child process of its own.
+
+A regex's automaton can be far larger than its text: `[^\\n]{0,400}` is 15 characters and took 3.7 s and
+880 MiB over a 49k vocabulary. So compiles run in a spawned child that holds the vocabulary, under an address
+space limit (`GUIDE_COMPILE_MEMORY_GIB`) and a deadline (`GUIDE_COMPILE_TIMEOUT_S`): past either, that request
+fails, the child is killed if need be, and the next compile starts a fresh one. The replica never stalls or
+dies for a guide. Compiled automata come back pickled and are kept per regex, least recently used dropped past
+`GUIDE_CACHE_BYTES`. The child imports neither torch nor transformers (the vocabulary comes from
+tokenizer.json through `tokenizers`), so it starts in a fraction of a second.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import pickle
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Iterable
+
+from mii_async.guided import guide_regex
+
+log = logging.getLogger("mii_async.guides")
+GUIDE_COMPILE_TIMEOUT_S = 60.0
+GUIDE_COMPILE_MEMORY_GIB = 8.0
+GUIDE_CACHE_BYTES = 2 << 30
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's printable stand-ins for bytes (a ByteLevel tokenizer's vocabulary is written in them) → byte."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def token_bytes(tokenizer: Any) -> dict[bytes, list[int]]:
+    """Each token's bytes → its ids, for a `tokenizers.Tokenizer` (or a transformers fast tokenizer). Special
+    tokens are left out: a guide never allows them. ByteLevel vocabularies (GPT-2, Llama 3, Qwen2, SmolLM) map
+    through GPT-2's byte alphabet; SentencePiece ones (Llama 2, Mistral) write a space as ▁ and raw bytes as
+    <0xHH>; added tokens that are not special stand for their text."""
+    tk = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    added = tk.get_added_tokens_decoder()
+    byte_level = "ByteLevel" in repr(tk.decoder)
+    dec = _byte_decoder() if byte_level else {}
+    out: dict[bytes, list[int]] = {}
+    for tok, i in tk.get_vocab(with_added_tokens=False).items():
+        if i in added:
+            continue
+        if byte_level and all(c in dec for c in tok):
+            b = bytes(dec[c] for c in tok)
+        elif len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">"):
+            b = bytes([int(tok[3:5], 16)])
+        else:
+            b = tok.replace("▁", " ").encode("utf-8")
+        if b:
+            out.setdefault(b, []).append(i)
+    for i, t in added.items():
+        if not t.special and t.content:
+            out.setdefault(t.content.encode("utf-8"), []).append(i)
+    return out
+
+
+def _tokenizer(model_path: str) -> Any:
+    from tokenizers import Tokenizer
+
+    path = Path(model_path) / "tokenizer.json"
+    if path.exists():
+        return Tokenizer.from_file(str(path))
+    from transformers import AutoTokenizer          # a slow tokenizer's files: transformers converts them
+
+    return AutoTokenizer.from_pretrained(model_path).backend_tokenizer
+
+
+def _child_main(conn: Any, model_path: str, eos: int, end_ids: list[int], memory_bytes: int) -> None:
+    """The compiling child: builds the vocabulary once, then answers each regex with (True, pickled Index) or
+    (False, why), until its pipe closes."""
+    import resource
+
+    from outlines_core import Index, Vocabulary
+
+    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    try:
+        ends = set(end_ids)
+        vocab = {b: [i for i in ids if i not in ends] for b, ids in token_bytes(_tokenizer(model_path)).items()}
+        vocabulary = Vocabulary(eos, {b: ids for b, ids in vocab.items() if ids})
+    except Exception as exc:  # noqa: BLE001 - every compile then fails with this reason
+        vocabulary, why = None, f"the vocabulary could not be read: {exc}"
+    while True:
+        try:
+            regex = conn.recv()
+        except EOFError:
+            return
+        if vocabulary is None:
+            conn.send((False, why))
+            continue
+        try:
+            conn.send((True, pickle.dumps(Index(regex, vocabulary))))
+        except MemoryError:
+            conn.send((False, f"its automaton needs more than {memory_bytes / 2**30:g} GiB"))
+        except Exception as exc:  # noqa: BLE001 - outlines-core's own error types
+            conn.send((False, f"the guide cannot be compiled for this model's vocabulary: {exc}"))
+
+
+class CompileError(Exception):
+    def __init__(self, message: str, lasting: bool) -> None:
+        super().__init__(message)
+        self.lasting = lasting          # the same regex would fail again: the failure is cached
+
+
+class GuideCompiler:
+    """Regex → Future of (its compiled Index, a number unique to that automaton), for one model; compiles run
+    one at a time in the child."""
+
+    def __init__(self, model_path: str | Path, end_ids: Iterable[int], eos: int | None = None,
+                 timeout_s: float = GUIDE_COMPILE_TIMEOUT_S, memory_gib: float = GUIDE_COMPILE_MEMORY_GIB) -> None:
+        ends = sorted(end_ids)
+        if not ends:
+            raise ValueError("guided generation needs the model's end id, and this model has none")
+        self.model_path, self.end_ids = str(model_path), ends
+        self.eos = eos if eos in ends else ends[0]
+        self.timeout_s, self.memory_bytes = timeout_s, int(memory_gib * 2**30)
+        self._indexes: OrderedDict[str, tuple[Future, int]] = OrderedDict()   # regex → (future, its bytes)
+        self._bytes = 0
+        self._serial = 0                      # numbers each compiled automaton: masks are cached per (it, state)
+        self._lock = threading.Lock()         # the cache
+        self._child_lock = threading.Lock()   # one conversation with the child at a time
+        self._child: tuple[Any, Any] | None = None
+
+    def index(self, guide: tuple[str, Any]) -> Future:
+        """The Index of a request's guide ((field, value) of its params), compiling it if it is new."""
+        regex = guide_regex(*guide)
+        with self._lock:
+            if regex in self._indexes:
+                self._indexes.move_to_end(regex)
+                return self._indexes[regex][0]
+            fut: Future = Future()
+            self._indexes[regex] = (fut, 0)
+        threading.Thread(target=self._run, args=(regex, fut), name="mii_async-guide", daemon=True).start()
+        return fut
+
+    def _run(self, regex: str, fut: Future) -> None:
+        try:
+            index, size = self._compile(regex)
+        except CompileError as exc:
+            fut.set_exception(exc)
+            if not exc.lasting:
+                with self._lock:
+                    self._indexes.pop(regex, None)
+            return
+        with self._lock:
+            self._serial += 1
+            key = self._serial
+        fut.set_result((index, key))
+        with self._lock:
+            if regex in self._indexes:
+                self._indexes[regex] = (fut, size)
+                self._bytes += size
+            while self._bytes > GUIDE_CACHE_BYTES and len(self._indexes) > 1:
+                self._bytes -= self._indexes.popitem(last=False)[1][1]
+
+    def _compile(self, regex: str) -> tuple[Any, int]:
+        with self._child_lock:
+            proc, conn = self._child or self._start()
+            try:
+                conn.send(regex)
+                if not conn.poll(self.timeout_s):
+                    self._stop_child()
+                    raise CompileError(f"compiling the guide took longer than {self.timeout_s:g} s", lasting=True)
+                ok, payload = conn.recv()
+            except (EOFError, OSError, BrokenPipeError):
+                code = proc.exitcode if proc.exitcode is not None else "running"
+                self._stop_child()
+                raise CompileError(f"the guide compiler exited ({code}) while compiling it", lasting=True) from None
+        if not ok:
+            raise CompileError(payload, lasting=True)
+        return pickle.loads(payload), len(payload)
+
+    def _start(self) -> tuple[Any, Any]:
+        ctx = multiprocessing.get_context("spawn")       # no fork: the parent may hold CUDA and threads
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_child_main, name="mii_async-guide-compiler", daemon=True,
+                           args=(child, self.model_path, self.eos, self.end_ids, self.memory_bytes))
+        try:
+            proc.start()
+        except Exception as exc:  # noqa: BLE001 - a passing condition: the next compile tries again
+            raise CompileError(f"the guide compiler could not start: {exc}", lasting=False) from None
+        finally:
+            child.close()
+        self._child = (proc, parent)
+        return self._child
+
+    def _stop_child(self) -> None:
+        if self._child is not None:
+            proc, conn = self._child
+            self._child = None
+            conn.close()
+            proc.kill()
+            proc.join(5)
+
+    def close(self) -> None:
+        """Kills the child (a compile in progress fails)."""
+        child, self._child = self._child, None
+        if child is not None:
+            child[1].close()
+            child[0].kill()
