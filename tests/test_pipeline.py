@@ -238,3 +238,19 @@ def test_guided_choice_and_a_guide_that_cannot_compile(default_pipe):
     assert all(r.generated_text in ("yes", "no") and r.finish_reason == "stop" for r in answers)
     [bad] = default_pipe("x", max_new_tokens=4, guided_regex="a(?=b)")
     assert bad.finish_reason == "error"
+
+
+def test_guides_in_a_script_without_a_main_guard(default_model_dir, tmp_path):
+    """A plain script (no `if __name__ == "__main__"`) that asks for a guide runs once: the guide compiler's
+    process does not run the caller's script again."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "plain.py"
+    script.write_text(f"import mii_async\nprint('START', flush=True)\n"
+                      f"pipe = mii_async.pipeline({str(default_model_dir)!r}, kv_cache_memory=0.05)\n"
+                      f"print('ANSWER', pipe('Is Paris in France?', max_new_tokens=4, "
+                      f"guided_choice=['yes', 'no'])[0].generated_text, flush=True)\npipe.close()\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("START") == 1 and out.stdout.split("ANSWER ")[1].strip() in ("yes", "no"), out.stdout

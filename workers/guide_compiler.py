@@ -2,7 +2,7 @@
 child process of its own.
 
 A regex's automaton can be far larger than its text: `[^\\n]{0,400}` is 15 characters and took 3.7 s and
-880 MiB over a 49k vocabulary. So compiles run in a spawned child that holds the vocabulary, under an address
+880 MiB over a 49k vocabulary. So compiles run in a child process that holds the vocabulary, under an address
 space limit (`GUIDE_COMPILE_MEMORY_GIB`) and a deadline (`GUIDE_COMPILE_TIMEOUT_S`): past either, that request
 fails, the child is killed if need be, and the next compile starts a fresh one. The replica never stalls or
 dies for a guide. Compiled automata come back pickled and are kept per regex, least recently used dropped past
@@ -12,9 +12,14 @@ tokenizer.json through `tokenizers`), so it starts in a fraction of a second.
 from __future__ import annotations
 
 import logging
-import multiprocessing
+import os
 import pickle
+import select
+import struct
+import subprocess
+import sys
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from pathlib import Path
@@ -78,34 +83,45 @@ def _tokenizer(model_path: str) -> Any:
     return AutoTokenizer.from_pretrained(model_path).backend_tokenizer
 
 
-def _child_main(conn: Any, model_path: str, eos: int, end_ids: list[int], memory_bytes: int) -> None:
-    """The compiling child: builds the vocabulary once, then answers each regex with (True, pickled Index) or
-    (False, why), until its pipe closes."""
+def _read_exact(f: Any, n: int) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise EOFError
+    return data
+
+
+def child_main(argv: list[str]) -> int:
+    """The compiling child (`python -m mii_async.workers.guide_compiler MODEL EOS END_IDS MEMORY_BYTES`):
+    builds the vocabulary once, then answers each regex read from stdin (a 4-byte length, then UTF-8) with a
+    flag byte (1: a pickled Index follows, 0: why it failed) and an 8-byte length, until stdin closes."""
     import resource
+    import struct
 
     from outlines_core import Index, Vocabulary
 
+    model_path, eos, end_ids, memory_bytes = argv[0], int(argv[1]), {int(i) for i in argv[2].split(",")}, int(argv[3])
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    inp, out = sys.stdin.buffer, sys.stdout.buffer
     try:
-        ends = set(end_ids)
-        vocab = {b: [i for i in ids if i not in ends] for b, ids in token_bytes(_tokenizer(model_path)).items()}
-        vocabulary = Vocabulary(eos, {b: ids for b, ids in vocab.items() if ids})
+        vocab = {b: [i for i in ids if i not in end_ids] for b, ids in token_bytes(_tokenizer(model_path)).items()}
+        vocabulary, why = Vocabulary(eos, {b: ids for b, ids in vocab.items() if ids}), ""
     except Exception as exc:  # noqa: BLE001 - every compile then fails with this reason
         vocabulary, why = None, f"the vocabulary could not be read: {exc}"
     while True:
         try:
-            regex = conn.recv()
+            regex = _read_exact(inp, struct.unpack("<I", _read_exact(inp, 4))[0]).decode("utf-8")
         except EOFError:
-            return
-        if vocabulary is None:
-            conn.send((False, why))
-            continue
-        try:
-            conn.send((True, pickle.dumps(Index(regex, vocabulary))))
-        except MemoryError:
-            conn.send((False, f"its automaton needs more than {memory_bytes / 2**30:g} GiB"))
-        except Exception as exc:  # noqa: BLE001 - outlines-core's own error types
-            conn.send((False, f"the guide cannot be compiled for this model's vocabulary: {exc}"))
+            return 0
+        ok, payload = False, why.encode()
+        if vocabulary is not None:
+            try:
+                ok, payload = True, pickle.dumps(Index(regex, vocabulary))
+            except MemoryError:
+                payload = f"its automaton needs more than {memory_bytes / 2**30:g} GiB".encode()
+            except Exception as exc:  # noqa: BLE001 - outlines-core's own error types
+                payload = f"the guide cannot be compiled for this model's vocabulary: {exc}".encode()
+        out.write(struct.pack("<BQ", ok, len(payload)) + payload)
+        out.flush()
 
 
 class CompileError(Exception):
@@ -131,7 +147,7 @@ class GuideCompiler:
         self._serial = 0                      # numbers each compiled automaton: masks are cached per (it, state)
         self._lock = threading.Lock()         # the cache
         self._child_lock = threading.Lock()   # one conversation with the child at a time
-        self._child: tuple[Any, Any] | None = None
+        self._child: subprocess.Popen | None = None
 
     def index(self, guide: tuple[str, Any]) -> Future:
         """The Index of a request's guide ((field, value) of its params), compiling it if it is new."""
@@ -167,46 +183,71 @@ class GuideCompiler:
 
     def _compile(self, regex: str) -> tuple[Any, int]:
         with self._child_lock:
-            proc, conn = self._child or self._start()
+            proc = self._child or self._start()
             try:
-                conn.send(regex)
-                if not conn.poll(self.timeout_s):
-                    self._stop_child()
-                    raise CompileError(f"compiling the guide took longer than {self.timeout_s:g} s", lasting=True)
-                ok, payload = conn.recv()
-            except (EOFError, OSError, BrokenPipeError):
-                code = proc.exitcode if proc.exitcode is not None else "running"
+                data = regex.encode("utf-8")
+                proc.stdin.write(struct.pack("<I", len(data)) + data)
+                proc.stdin.flush()
+                deadline = time.monotonic() + self.timeout_s
+                head = self._read(proc, 9, deadline)
+                ok, size = struct.unpack("<BQ", head)
+                payload = self._read(proc, size, deadline)
+            except TimeoutError:
+                self._stop_child()
+                raise CompileError(f"compiling the guide took longer than {self.timeout_s:g} s", lasting=True) from None
+            except (EOFError, OSError):
+                code = proc.poll()
                 self._stop_child()
                 raise CompileError(f"the guide compiler exited ({code}) while compiling it", lasting=True) from None
         if not ok:
-            raise CompileError(payload, lasting=True)
+            raise CompileError(payload.decode("utf-8", "replace"), lasting=True)
         return pickle.loads(payload), len(payload)
 
-    def _start(self) -> tuple[Any, Any]:
-        ctx = multiprocessing.get_context("spawn")       # no fork: the parent may hold CUDA and threads
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_child_main, name="mii_async-guide-compiler", daemon=True,
-                           args=(child, self.model_path, self.eos, self.end_ids, self.memory_bytes))
+    @staticmethod
+    def _read(proc: subprocess.Popen, n: int, deadline: float) -> bytes:
+        """n bytes of the child's answer, or TimeoutError at the deadline, or EOFError if it exited."""
+        fd, chunks, got = proc.stdout.fileno(), [], 0
+        while got < n:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError
+            chunk = os.read(fd, min(n - got, 1 << 20))
+            if not chunk:
+                raise EOFError
+            chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks)
+
+    def _start(self) -> subprocess.Popen:
+        # A process of its own, started fresh (not forked: the parent may hold CUDA and threads; not
+        # multiprocessing's spawn, which would run the caller's unguarded main script again).
+        cmd = [sys.executable, "-m", "mii_async.workers.guide_compiler", self.model_path, str(self.eos),
+               ",".join(map(str, self.end_ids)), str(self.memory_bytes)]
         try:
-            proc.start()
-        except Exception as exc:  # noqa: BLE001 - a passing condition: the next compile tries again
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+        except OSError as exc:        # a passing condition: the next compile tries again
             raise CompileError(f"the guide compiler could not start: {exc}", lasting=False) from None
-        finally:
-            child.close()
-        self._child = (proc, parent)
-        return self._child
+        self._child = proc
+        return proc
 
     def _stop_child(self) -> None:
-        if self._child is not None:
-            proc, conn = self._child
-            self._child = None
-            conn.close()
+        proc, self._child = self._child, None
+        if proc is not None:
             proc.kill()
-            proc.join(5)
+            proc.wait(5)
+            for f in (proc.stdin, proc.stdout):
+                f.close()
 
     def close(self) -> None:
-        """Kills the child (a compile in progress fails)."""
-        child, self._child = self._child, None
-        if child is not None:
-            child[1].close()
-            child[0].kill()
+        """Kills the child (a compile in progress fails, and its thread then reaps the child)."""
+        if self._child_lock.acquire(blocking=False):
+            try:
+                self._stop_child()
+            finally:
+                self._child_lock.release()
+        elif (proc := self._child) is not None:
+            proc.kill()
+
+
+if __name__ == "__main__":
+    sys.exit(child_main(sys.argv[1:]))
