@@ -162,9 +162,15 @@ class Engine:
         if params.guide is None:
             self.scheduler.add(seq)
             return
+        self.guided_compiler()
+        self.guided.hold(seq)                          # type: ignore[union-attr] - scheduled once its automaton
+                                                       # is compiled (`_admit_guided`)
+
+    def guided_compiler(self) -> GuideCompiler:
+        """The compiler of this engine's guides, made at first use (a guide may be compiled ahead with it)."""
         if self.guided is None:
             self.guided = GuidedRequests(GuideCompiler(self.model_path, self.spec.eos_token_ids))
-        self.guided.hold(seq)                          # scheduled once its automaton is compiled (`_admit_guided`)
+        return self.guided.compiler
 
     def close(self) -> None:
         """Stops what the engine started besides its tensors (the guide compiler's process). Idempotent."""
