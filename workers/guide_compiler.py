@@ -7,7 +7,8 @@ space limit (`GUIDE_COMPILE_MEMORY_GIB`) and a deadline (`GUIDE_COMPILE_TIMEOUT_
 fails, the child is killed if need be, and the next compile starts a fresh one. The replica never stalls or
 dies for a guide. Compiled automata come back pickled and are kept per regex, least recently used dropped past
 `GUIDE_CACHE_BYTES`. The child imports neither torch nor transformers (the vocabulary comes from
-tokenizer.json through `tokenizers`), so it starts in a fraction of a second.
+tokenizer.json through `tokenizers`), so it starts in a fraction of a second; it exits when its pipe closes,
+and within a second of its replica's death, even in the middle of a compile.
 """
 from __future__ import annotations
 
@@ -101,6 +102,14 @@ def child_main(argv: list[str]) -> int:
 
     model_path, eos, end_ids, memory_bytes = argv[0], int(argv[1]), {int(i) for i in argv[2].split(",")}, int(argv[3])
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    parent = os.getppid()
+
+    def orphaned() -> None:           # the replica died (even mid-compile: outlines-core releases the GIL)
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=orphaned, daemon=True).start()
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     try:
         vocab = {b: [i for i in ids if i not in end_ids] for b, ids in token_bytes(_tokenizer(model_path)).items()}

@@ -228,3 +228,34 @@ def test_token_bytes_of_a_sentencepiece_vocabulary():
         if text.startswith("東"):
             assert any(i >= 1000 for i in ids)               # the byte fallback was used
         assert b"".join(by_id[i] for i in ids) == b" " + text.encode("utf-8"), (text, ids)
+
+
+def test_the_compiler_process_ends_with_its_replica(default_model_dir):
+    """kill -9 of the process that started a guide compiler, in the middle of a compile: the compiler's
+    process exits within seconds instead of being left behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = ("import sys, time\nfrom mii_async.workers.guide_compiler import GuideCompiler\n"
+            "c = GuideCompiler(sys.argv[1], [2], timeout_s=600)\n"
+            "c.index(('guided_regex', '[^\\\\n]{0,1500}'))\ntime.sleep(1.0)\nprint(c._child.pid, flush=True)\n"
+            "time.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code, str(default_model_dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 6
+        while time.monotonic() < deadline:
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+        os.kill(child, signal.SIGKILL)
+        pytest.fail("the guide compiler outlived its replica")
+    finally:
+        parent.kill()
