@@ -12,6 +12,7 @@ and within a second of its replica's death, even in the middle of a compile.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import pickle
@@ -32,6 +33,9 @@ log = logging.getLogger("mii_async.guides")
 GUIDE_COMPILE_TIMEOUT_S = 60.0
 GUIDE_COMPILE_MEMORY_GIB = 8.0
 GUIDE_CACHE_BYTES = 2 << 30
+# Numbers every automaton compiled in this process, whichever compiler made it: the masks are cached per
+# (automaton, state) in one table (workers/guides.py). (next() on a count is atomic under the GIL.)
+_AUTOMATON_KEYS = itertools.count(1)
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -153,7 +157,6 @@ class GuideCompiler:
         self.timeout_s, self.memory_bytes = timeout_s, int(memory_gib * 2**30)
         self._indexes: OrderedDict[str, tuple[Future, int]] = OrderedDict()   # regex → (future, its bytes)
         self._bytes = 0
-        self._serial = 0                      # numbers each compiled automaton: masks are cached per (it, state)
         self._lock = threading.Lock()         # the cache
         self._child_lock = threading.Lock()   # one conversation with the child at a time
         self._child: subprocess.Popen | None = None
@@ -179,10 +182,7 @@ class GuideCompiler:
                 with self._lock:
                     self._indexes.pop(regex, None)
             return
-        with self._lock:
-            self._serial += 1
-            key = self._serial
-        fut.set_result((index, key))
+        fut.set_result((index, next(_AUTOMATON_KEYS)))
         with self._lock:
             if regex in self._indexes:
                 self._indexes[regex] = (fut, size)

@@ -259,3 +259,20 @@ def test_the_compiler_process_ends_with_its_replica(default_model_dir):
         pytest.fail("the guide compiler outlived its replica")
     finally:
         parent.kill()
+
+
+def test_masks_of_two_compilers_never_mix(default_model_dir):
+    """Two compilers in one process (two engines): their automata's masks, cached in one table, stay apart."""
+    from mii_async.workers.guide_compiler import GuideCompiler
+    from mii_async.workers.guides import RequestGuide, guide_masks
+
+    guides = []
+    for regex in ("[0-9]+", "(yes|no)"):
+        compiler = GuideCompiler(default_model_dir, [2])
+        try:
+            guides.append(RequestGuide(*compiler.index(("guided_regex", regex)).result(timeout=120)))
+        finally:
+            compiler.close()
+    for g in guides + guides[::-1]:
+        mask = guide_masks([g], 49152, torch.device("cpu"))
+        assert set(mask[0].nonzero().flatten().tolist()) == set(g.guide.get_tokens())
