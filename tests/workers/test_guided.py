@@ -267,7 +267,7 @@ def test_masks_of_two_compilers_never_mix(default_model_dir):
     from mii_async.workers.guides import RequestGuide, guide_masks
 
     guides = []
-    for regex in ("[0-9]+", "(yes|no)"):
+    for regex in ("[0-9]+", "[a-z]+"):      # alike automata: the same state numbers, other tokens
         compiler = GuideCompiler(default_model_dir, [2])
         try:
             guides.append(RequestGuide(*compiler.index(("guided_regex", regex)).result(timeout=120)))
