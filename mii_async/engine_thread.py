@@ -123,14 +123,15 @@ class EngineThread:
         try:
             # The step in flight's tokens are delivered as soon as they are read (during this launch, maybe).
             self._deliver_all(self.engine.step(emit=self._deliver_all))
-            for req_id, why in self.engine.take_failed():   # e.g. a guide the vocabulary cannot follow
-                self._end(req_id, Ended("error", why))
         except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
             log.exception("engine step failed")
             for req_id in list(self._sinks):
                 self._end(req_id, Ended("error", f"engine step failed: {exc}"))
             for req_id in list(self.engine.seqs):    # any with no consumer left: its blocks go back too
                 self.engine.abort(req_id)
+        finally:
+            for req_id, why in self.engine.take_failed():   # e.g. a guide the vocabulary cannot follow
+                self._end(req_id, Ended("error", why))
 
     def _deliver_all(self, outputs: list) -> None:
         for out in outputs:

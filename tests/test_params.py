@@ -112,7 +112,8 @@ def test_guided_params_are_checked_and_normalized():
     assert SamplingParams(guided_choice=["a", "b"]).guide == ("guided_choice", ("a", "b"))
     assert SamplingParams().guide is None
     for name, bad in [("guided_json", {"type": "wat"}), ("guided_json", "not json"), ("guided_json", [1]),
-                      ("guided_regex", "(("), ("guided_regex", ""), ("guided_choice", []), ("guided_choice", ["a", 1])]:
+                      ("guided_regex", "(("), ("guided_regex", ""), ("guided_choice", []), ("guided_choice", ["a", 1]),
+                      ("guided_regex", "a\ud800"), ("guided_choice", ["\udfff"]), ("guided_json", {"a\ud800": 1})]:
         with pytest.raises(InvalidParameterError) as info:
             SamplingParams(**{name: bad})
         assert info.value.param == name, (name, bad)

@@ -158,13 +158,12 @@ class Engine:
         self.check_request(prompt_ids, params)
         seq = Sequence(req_id, list(prompt_ids), params)
         seq.max_tokens = min(seq.max_tokens, self.max_model_len)
-        self.seqs[req_id] = seq
-        if params.guide is None:
+        if params.guide is not None:
+            self.guided_compiler()
+            self.guided.hold(seq)                      # type: ignore[union-attr] - scheduled once its automaton
+        else:                                          # is compiled (`_admit_guided`)
             self.scheduler.add(seq)
-            return
-        self.guided_compiler()
-        self.guided.hold(seq)                          # type: ignore[union-attr] - scheduled once its automaton
-                                                       # is compiled (`_admit_guided`)
+        self.seqs[req_id] = seq
 
     def guided_compiler(self) -> GuideCompiler:
         """The compiler of this engine's guides, made at first use (a guide may be compiled ahead with it)."""

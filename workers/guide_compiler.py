@@ -1,14 +1,15 @@
 """A guide's regex compiled into a token automaton (outlines-core's Index) for one model's vocabulary, in a
-child process of its own.
+child process of its own (workers/guide_child.py).
 
 A regex's automaton can be far larger than its text: `[^\\n]{0,400}` is 15 characters and took 3.7 s and
-880 MiB over a 49k vocabulary. So compiles run in a child process that holds the vocabulary, under an address
-space limit (`GUIDE_COMPILE_MEMORY_GIB`) and a deadline (`GUIDE_COMPILE_TIMEOUT_S`): past either, that request
-fails, the child is killed if need be, and the next compile starts a fresh one. The replica never stalls or
-dies for a guide. Compiled automata come back pickled and are kept per regex, least recently used dropped past
-`GUIDE_CACHE_BYTES`. The child imports neither torch nor transformers (the vocabulary comes from
-tokenizer.json through `tokenizers`), so it starts in a fraction of a second; it exits when its pipe closes,
-and within a second of its replica's death, even in the middle of a compile.
+880 MiB over a 49k vocabulary. So compiles run in a child that holds the vocabulary, under an address-space
+limit (`GUIDE_COMPILE_MEMORY_GIB`) and a deadline (`GUIDE_COMPILE_TIMEOUT_S`). Past either, that request fails
+and the child is replaced; the replica never stalls or dies for a guide.
+- A failure the same regex would meet again (the deadline, the memory limit, a regex outlines-core refuses) is
+  kept, so it fails at once next time; a passing one (the child could not start or read the vocabulary) is not.
+- Compiles run one at a time. One that no request waits for any more (all aborted) is skipped.
+- Compiled automata are kept per regex, least recently used dropped past `GUIDE_CACHE_BYTES` of pickles or
+  `GUIDE_CACHE_ENTRIES` regexes.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import logging
 import os
 import pickle
 import select
-import struct
+import signal
 import subprocess
 import sys
 import threading
@@ -29,123 +30,28 @@ from typing import Any, Iterable
 
 from mii_async.guided import guide_regex
 
+from .guide_child import HEADER, INDEX, NO_VOCABULARY, READY, REQUEST, write_all
+
 log = logging.getLogger("mii_async.guides")
 GUIDE_COMPILE_TIMEOUT_S = 60.0
+GUIDE_START_TIMEOUT_S = 120.0      # a child's start: interpreter, tokenizers, reading the vocabulary
 GUIDE_COMPILE_MEMORY_GIB = 8.0
 GUIDE_CACHE_BYTES = 2 << 30
+GUIDE_CACHE_ENTRIES = 256
 # Numbers every automaton compiled in this process, whichever compiler made it: the masks are cached per
-# (automaton, state) in one table (workers/guides.py). (next() on a count is atomic under the GIL.)
+# (automaton, state) in one table (workers/guides.py).
 _AUTOMATON_KEYS = itertools.count(1)
-
-
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's printable stand-ins for bytes (a ByteLevel tokenizer's vocabulary is written in them) → byte."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
-
-
-def token_bytes(tokenizer: Any) -> dict[bytes, list[int]]:
-    """Each token's bytes → its ids, for a `tokenizers.Tokenizer` (or a transformers fast tokenizer). Special
-    tokens are left out: a guide never allows them. ByteLevel vocabularies (GPT-2, Llama 3, Qwen2, SmolLM) map
-    through GPT-2's byte alphabet; SentencePiece ones (Llama 2, Mistral) write a space as ▁ and raw bytes as
-    <0xHH>; added tokens that are not special stand for their text."""
-    tk = getattr(tokenizer, "backend_tokenizer", tokenizer)
-    added = tk.get_added_tokens_decoder()
-    byte_level = "ByteLevel" in repr(tk.decoder)
-    dec = _byte_decoder() if byte_level else {}
-    out: dict[bytes, list[int]] = {}
-    for tok, i in tk.get_vocab(with_added_tokens=False).items():
-        if i in added:
-            continue
-        if byte_level and all(c in dec for c in tok):
-            b = bytes(dec[c] for c in tok)
-        elif len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">"):
-            b = bytes([int(tok[3:5], 16)])
-        else:
-            b = tok.replace("▁", " ").encode("utf-8")
-        if b:
-            out.setdefault(b, []).append(i)
-    for i, t in added.items():
-        if not t.special and t.content:
-            out.setdefault(t.content.encode("utf-8"), []).append(i)
-    return out
-
-
-def _tokenizer(model_path: str) -> Any:
-    from tokenizers import Tokenizer
-
-    path = Path(model_path) / "tokenizer.json"
-    if path.exists():
-        return Tokenizer.from_file(str(path))
-    from transformers import AutoTokenizer          # a slow tokenizer's files: transformers converts them
-
-    return AutoTokenizer.from_pretrained(model_path).backend_tokenizer
-
-
-def _read_exact(f: Any, n: int) -> bytes:
-    data = f.read(n)
-    if len(data) != n:
-        raise EOFError
-    return data
-
-
-def child_main(argv: list[str]) -> int:
-    """The compiling child (`python -m mii_async.workers.guide_compiler MODEL EOS END_IDS MEMORY_BYTES`):
-    builds the vocabulary once, then answers each regex read from stdin (a 4-byte length, then UTF-8) with a
-    flag byte (1: a pickled Index follows, 0: why it failed) and an 8-byte length, until stdin closes."""
-    import resource
-    import struct
-
-    from outlines_core import Index, Vocabulary
-
-    model_path, eos, end_ids, memory_bytes = argv[0], int(argv[1]), {int(i) for i in argv[2].split(",")}, int(argv[3])
-    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    parent = os.getppid()
-
-    def orphaned() -> None:           # the replica died (even mid-compile: outlines-core releases the GIL)
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(0)
-
-    threading.Thread(target=orphaned, daemon=True).start()
-    inp, out = sys.stdin.buffer, sys.stdout.buffer
-    try:
-        vocab = {b: [i for i in ids if i not in end_ids] for b, ids in token_bytes(_tokenizer(model_path)).items()}
-        vocabulary, why = Vocabulary(eos, {b: ids for b, ids in vocab.items() if ids}), ""
-    except Exception as exc:  # noqa: BLE001 - every compile then fails with this reason
-        vocabulary, why = None, f"the vocabulary could not be read: {exc}"
-    while True:
-        try:
-            regex = _read_exact(inp, struct.unpack("<I", _read_exact(inp, 4))[0]).decode("utf-8")
-        except EOFError:
-            return 0
-        ok, payload = False, why.encode()
-        if vocabulary is not None:
-            try:
-                ok, payload = True, pickle.dumps(Index(regex, vocabulary))
-            except MemoryError:
-                payload = f"its automaton needs more than {memory_bytes / 2**30:g} GiB".encode()
-            except Exception as exc:  # noqa: BLE001 - outlines-core's own error types
-                payload = f"the guide cannot be compiled for this model's vocabulary: {exc}".encode()
-        out.write(struct.pack("<BQ", ok, len(payload)) + payload)
-        out.flush()
 
 
 class CompileError(Exception):
     def __init__(self, message: str, lasting: bool) -> None:
         super().__init__(message)
-        self.lasting = lasting          # the same regex would fail again: the failure is cached
+        self.lasting = lasting          # the same regex would fail again: the failure is kept
 
 
 class GuideCompiler:
-    """Regex → Future of (its compiled Index, a number unique to that automaton), for one model; compiles run
-    one at a time in the child."""
+    """Regex → Future of (its compiled Index, a number unique to that automaton in this process), for one
+    model. Each future carries its `regex`; `release` it when the request that asked no longer waits."""
 
     def __init__(self, model_path: str | Path, end_ids: Iterable[int], eos: int | None = None,
                  timeout_s: float = GUIDE_COMPILE_TIMEOUT_S, memory_gib: float = GUIDE_COMPILE_MEMORY_GIB) -> None:
@@ -155,108 +61,181 @@ class GuideCompiler:
         self.model_path, self.end_ids = str(model_path), ends
         self.eos = eos if eos in ends else ends[0]
         self.timeout_s, self.memory_bytes = timeout_s, int(memory_gib * 2**30)
-        self._indexes: OrderedDict[str, tuple[Future, int]] = OrderedDict()   # regex → (future, its bytes)
+        self._indexes: OrderedDict[str, tuple[Future, int]] = OrderedDict()   # regex → (future, pickle bytes)
+        self._wanted: dict[str, int] = {}     # regex → requests waiting for its compile
         self._bytes = 0
-        self._lock = threading.Lock()         # the cache
+        self._closed = False
+        self._lock = threading.Lock()         # the three above
         self._child_lock = threading.Lock()   # one conversation with the child at a time
         self._child: subprocess.Popen | None = None
 
+    # -- the engine's side -------------------------------------------------------------------------------
     def index(self, guide: tuple[str, Any]) -> Future:
         """The Index of a request's guide ((field, value) of its params), compiling it if it is new."""
         regex = guide_regex(*guide)
         with self._lock:
-            if regex in self._indexes:
+            self._wanted[regex] = self._wanted.get(regex, 0) + 1
+            entry = self._indexes.get(regex)
+            if entry is not None:
                 self._indexes.move_to_end(regex)
-                return self._indexes[regex][0]
+                return entry[0]
             fut: Future = Future()
+            fut.regex = regex                 # type: ignore[attr-defined]
+            if self._closed:
+                fut.set_exception(CompileError("the engine is closing", lasting=False))
+                return fut
             self._indexes[regex] = (fut, 0)
         threading.Thread(target=self._run, args=(regex, fut), name="mii_async-guide", daemon=True).start()
         return fut
 
-    def _run(self, regex: str, fut: Future) -> None:
-        try:
-            index, size = self._compile(regex)
-        except CompileError as exc:
-            fut.set_exception(exc)
-            if not exc.lasting:
-                with self._lock:
-                    self._indexes.pop(regex, None)
-            return
-        fut.set_result((index, next(_AUTOMATON_KEYS)))
+    def release(self, fut: Future) -> None:
+        """A request that asked for `fut` no longer waits for it (admitted, or aborted)."""
         with self._lock:
-            if regex in self._indexes:
-                self._indexes[regex] = (fut, size)
-                self._bytes += size
-            while self._bytes > GUIDE_CACHE_BYTES and len(self._indexes) > 1:
-                self._bytes -= self._indexes.popitem(last=False)[1][1]
-
-    def _compile(self, regex: str) -> tuple[Any, int]:
-        with self._child_lock:
-            proc = self._child or self._start()
-            try:
-                data = regex.encode("utf-8")
-                proc.stdin.write(struct.pack("<I", len(data)) + data)
-                proc.stdin.flush()
-                deadline = time.monotonic() + self.timeout_s
-                head = self._read(proc, 9, deadline)
-                ok, size = struct.unpack("<BQ", head)
-                payload = self._read(proc, size, deadline)
-            except TimeoutError:
-                self._stop_child()
-                raise CompileError(f"compiling the guide took longer than {self.timeout_s:g} s", lasting=True) from None
-            except (EOFError, OSError):
-                code = proc.poll()
-                self._stop_child()
-                raise CompileError(f"the guide compiler exited ({code}) while compiling it", lasting=True) from None
-        if not ok:
-            raise CompileError(payload.decode("utf-8", "replace"), lasting=True)
-        return pickle.loads(payload), len(payload)
-
-    @staticmethod
-    def _read(proc: subprocess.Popen, n: int, deadline: float) -> bytes:
-        """n bytes of the child's answer, or TimeoutError at the deadline, or EOFError if it exited."""
-        fd, chunks, got = proc.stdout.fileno(), [], 0
-        while got < n:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise TimeoutError
-            chunk = os.read(fd, min(n - got, 1 << 20))
-            if not chunk:
-                raise EOFError
-            chunks.append(chunk)
-            got += len(chunk)
-        return b"".join(chunks)
-
-    def _start(self) -> subprocess.Popen:
-        # A process of its own, started fresh (not forked: the parent may hold CUDA and threads; not
-        # multiprocessing's spawn, which would run the caller's unguarded main script again).
-        cmd = [sys.executable, "-m", "mii_async.workers.guide_compiler", self.model_path, str(self.eos),
-               ",".join(map(str, self.end_ids)), str(self.memory_bytes)]
-        try:
-            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
-        except OSError as exc:        # a passing condition: the next compile tries again
-            raise CompileError(f"the guide compiler could not start: {exc}", lasting=False) from None
-        self._child = proc
-        return proc
-
-    def _stop_child(self) -> None:
-        proc, self._child = self._child, None
-        if proc is not None:
-            proc.kill()
-            proc.wait(5)
-            for f in (proc.stdin, proc.stdout):
-                f.close()
+            n = self._wanted.get(fut.regex, 0) - 1       # type: ignore[attr-defined]
+            if n > 0:
+                self._wanted[fut.regex] = n               # type: ignore[attr-defined]
+            else:
+                self._wanted.pop(fut.regex, None)         # type: ignore[attr-defined]
 
     def close(self) -> None:
-        """Kills the child (a compile in progress fails, and its thread then reaps the child)."""
+        """Kills the child; compiles in progress or queued fail, and later ones too."""
+        with self._lock:
+            self._closed = True
         if self._child_lock.acquire(blocking=False):
             try:
                 self._stop_child()
             finally:
                 self._child_lock.release()
         elif (proc := self._child) is not None:
+            proc.kill()                       # the compile in progress sees it die and reaps it
+
+    # -- the compile thread ------------------------------------------------------------------------------
+    def _run(self, regex: str, fut: Future) -> None:
+        try:
+            index, size = self._compile(regex)
+        except CompileError as exc:
+            err = exc
+        except BaseException as exc:  # noqa: BLE001 - never leave a request waiting on a dead future
+            log.exception("compiling a guide failed")
+            err = CompileError(f"compiling the guide failed: {exc!r}", lasting=False)
+        else:
+            fut.set_result((index, next(_AUTOMATON_KEYS)))
+            with self._lock:
+                if self._indexes.get(regex, (None,))[0] is fut:
+                    self._indexes[regex] = (fut, size)
+                    self._indexes.move_to_end(regex)
+                    self._bytes += size
+                self._evict()
+            return
+        fut.set_exception(err)
+        with self._lock:
+            if self._indexes.get(regex, (None,))[0] is fut and not err.lasting:
+                del self._indexes[regex]
+            self._evict()
+
+    def _evict(self) -> None:
+        """Drops the least recently used finished entries past the limits (pending ones stay)."""
+        over = lambda: self._bytes > GUIDE_CACHE_BYTES or len(self._indexes) > GUIDE_CACHE_ENTRIES  # noqa: E731
+        for regex in [r for r, (f, _) in self._indexes.items() if f.done()]:
+            if not over():
+                return
+            self._bytes -= self._indexes.pop(regex)[1]
+
+    def _compile(self, regex: str) -> tuple[Any, int]:
+        data = regex.encode("utf-8")
+        with self._child_lock:
+            with self._lock:
+                if self._closed:
+                    raise CompileError("the engine is closing", lasting=False)
+                if not self._wanted.get(regex):
+                    raise CompileError("no request waits for this guide any more", lasting=False)
+            proc = self._live_child()
+            try:
+                write_all(proc.stdin.fileno(), REQUEST.pack(len(data)) + data)
+                kind, payload = self._frame(proc, time.monotonic() + self.timeout_s)
+            except TimeoutError:
+                self._stop_child()
+                raise CompileError(f"compiling the guide took longer than {self.timeout_s:g} s", lasting=True) from None
+            except (EOFError, OSError):
+                raise self._died(proc) from None
+            except BaseException:
+                self._stop_child()
+                raise
+        if kind != INDEX:
+            raise CompileError(payload.decode("utf-8", "replace"), lasting=True)
+        return pickle.loads(payload), len(payload)
+
+    def _died(self, proc: subprocess.Popen) -> CompileError:
+        try:
+            code = proc.wait(5)
+        except subprocess.TimeoutExpired:
+            code = None
+        self._stop_child()
+        if self._closed:                      # close() killed it
+            return CompileError("the engine is closing", lasting=False)
+        if code in (-signal.SIGABRT, -signal.SIGKILL, -signal.SIGSEGV):   # an allocation failed, or the OOM killer
+            return CompileError(f"its automaton needs more than the {self.memory_bytes / 2**30:g} GiB a guide may "
+                                f"use", lasting=True)
+        return CompileError(f"the guide compiler exited ({code}) while compiling it", lasting=False)
+
+    def _frame(self, proc: subprocess.Popen, deadline: float) -> tuple[int, bytes]:
+        kind, size = HEADER.unpack(self._read(proc, HEADER.size, deadline))
+        if size > self.memory_bytes:
+            raise EOFError
+        return kind, self._read(proc, size, deadline)
+
+    @staticmethod
+    def _read(proc: subprocess.Popen, n: int, deadline: float) -> bytes:
+        """n bytes from the child, or TimeoutError at the deadline, or EOFError if it exited."""
+        fd = proc.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        buf, got = bytearray(n), 0
+        view = memoryview(buf)
+        while got < n:
+            left = deadline - time.monotonic()
+            if left <= 0 or not poller.poll(left * 1000):
+                raise TimeoutError
+            k = os.readv(fd, [view[got:]])
+            if not k:
+                raise EOFError
+            got += k
+        return bytes(buf)
+
+    def _live_child(self) -> subprocess.Popen:
+        if self._child is not None and self._child.poll() is None:
+            return self._child
+        self._stop_child()
+        # A process of its own, started fresh: not forked (the parent may hold CUDA and threads), not
+        # multiprocessing's spawn (which runs the caller's main script again, unguarded). It runs from / with
+        # this process's import path, so the same mii_async is imported whatever the working directory holds.
+        cmd = [sys.executable, "-m", "mii_async.workers.guide_child", self.model_path, str(self.eos),
+               ",".join(map(str, self.end_ids)), str(self.memory_bytes), str(os.getpid())]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        try:
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, cwd="/", env=env)
+        except OSError as exc:
+            raise CompileError(f"the guide compiler could not start: {exc}", lasting=False) from None
+        self._child = proc
+        try:
+            kind, payload = self._frame(proc, time.monotonic() + GUIDE_START_TIMEOUT_S)
+        except (TimeoutError, EOFError, OSError):
+            self._stop_child()
+            raise CompileError("the guide compiler did not start", lasting=False) from None
+        if kind != READY:
+            self._stop_child()
+            why = payload.decode("utf-8", "replace") if kind == NO_VOCABULARY else f"answered {kind}"
+            raise CompileError(f"the guide compiler did not start: {why}", lasting=False)
+        return proc
+
+    def _stop_child(self) -> None:
+        proc, self._child = self._child, None
+        if proc is not None:
             proc.kill()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+            for f in (proc.stdin, proc.stdout):
+                f.close()
 
-
-if __name__ == "__main__":
-    sys.exit(child_main(sys.argv[1:]))

@@ -7,6 +7,7 @@ used dropped past `MASK_CACHE_ENTRIES`; a step then copies the rows up once and 
 """
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
@@ -38,19 +39,22 @@ class RequestGuide:
 
 
 _masks: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()   # (automaton, state) → its words
+_masks_lock = threading.Lock()       # engines of one process (pipelines, tests) share the table
 
 
 def _words(g: RequestGuide, words: int) -> np.ndarray:
     key = (g.key, g.guide.get_state())
-    row = _masks.get(key)
-    if row is None:
-        row = np.empty(words, np.int32)
-        g.guide.write_mask_into(row.ctypes.data, words, 4)
+    with _masks_lock:
+        row = _masks.get(key)
+        if row is not None:
+            _masks.move_to_end(key)
+            return row
+    row = np.empty(words, np.int32)
+    g.guide.write_mask_into(row.ctypes.data, words, 4)
+    with _masks_lock:
         _masks[key] = row
         if len(_masks) > MASK_CACHE_ENTRIES:
             _masks.popitem(last=False)
-    else:
-        _masks.move_to_end(key)
     return row
 
 
@@ -78,7 +82,11 @@ class GuidedRequests:
         self.pending[seq.req_id] = (seq, self.compiler.index(seq.params.guide))
 
     def drop(self, req_id: int) -> bool:
-        return self.pending.pop(req_id, None) is not None
+        entry = self.pending.pop(req_id, None)
+        if entry is None:
+            return False
+        self.compiler.release(entry[1])     # a compile that nobody waits for any more is skipped
+        return True
 
     def ready(self) -> tuple[list[Any], list[tuple[Any, str]]]:
         """The held sequences whose automaton is ready, each with its guide set, in arrival order; and those
@@ -88,6 +96,7 @@ class GuidedRequests:
             if not fut.done():
                 continue
             del self.pending[req_id]
+            self.compiler.release(fut)
             if (exc := fut.exception()) is not None:
                 failed.append((seq, str(exc)))
             else:
