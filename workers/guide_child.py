@@ -1,16 +1,15 @@
 """The guide compiler's child process: `python -m mii_async.workers.guide_child MODEL EOS END_IDS MEMORY PARENT`.
 
 It reads the model's vocabulary once (tokenizer.json through `tokenizers`; no torch), says it is ready, then
-compiles each regex it is sent into an outlines-core Index and sends it back pickled, until its stdin closes or
-its parent dies (it checks each second, even in the middle of a compile: outlines-core releases the GIL).
-Frames: to the child, a 4-byte length and the regex in UTF-8; from it, a kind byte and an 8-byte length, then
+compiles each regex it is sent into an outlines-core Index and sends it back in outlines-core's own binary
+form (`Index.from_binary` reads it; no pickle), until its stdin closes or its parent dies (it checks each
+second, even in the middle of a compile: outlines-core releases the GIL). Frames: to the child, a 4-byte length and the regex in UTF-8; from it, a kind byte and an 8-byte length, then
 the payload. Its stdout is the frames' alone: whatever a library prints goes to stderr. Ctrl-C in the terminal
 is the parent's to handle. workers/guide_compiler.py is the parent's side.
 """
 from __future__ import annotations
 
 import os
-import pickle
 import signal
 import struct
 import sys
@@ -74,6 +73,14 @@ def _tokenizer(model_path: str) -> Any:
     return AutoTokenizer.from_pretrained(model_path).backend_tokenizer
 
 
+def index_bytes(index: Any) -> bytes:
+    """An Index as outlines-core's own binary form, which `Index.from_binary` reads back (its pickle support
+    wraps the same bytes; no pickle travels here)."""
+    rebuild, (data,) = index.__reduce__()
+    assert rebuild.__name__ == "from_binary" and isinstance(data, bytes), "outlines-core's Index changed its form"
+    return data
+
+
 def write_all(fd: int, data: bytes | memoryview) -> None:
     view = memoryview(data)
     while view:
@@ -125,7 +132,7 @@ def main(argv: list[str]) -> int:
         except EOFError:
             return 0
         try:
-            payload = pickle.dumps(Index(regex, vocabulary))
+            payload = index_bytes(Index(regex, vocabulary))
         except MemoryError:
             send(FAILED, f"its automaton needs more than {memory_bytes / 2**30:g} GiB".encode())
         except Exception as exc:  # noqa: BLE001 - outlines-core's own error types

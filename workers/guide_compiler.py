@@ -8,7 +8,7 @@ and the child is replaced; the replica never stalls or dies for a guide.
 - A failure the same regex would meet again (the deadline, the memory limit, a regex outlines-core refuses) is
   kept, so it fails at once next time; a passing one (the child could not start or read the vocabulary) is not.
 - Compiles run one at a time. One that no request waits for any more (all aborted) is skipped.
-- Compiled automata are kept per regex, least recently used dropped past `GUIDE_CACHE_BYTES` of pickles or
+- Compiled automata are kept per regex, least recently used dropped past `GUIDE_CACHE_BYTES` of their binary form or
   `GUIDE_CACHE_ENTRIES` regexes.
 """
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import pickle
 import select
 import signal
 import subprocess
@@ -61,7 +60,7 @@ class GuideCompiler:
         self.model_path, self.end_ids = str(model_path), ends
         self.eos = eos if eos in ends else ends[0]
         self.timeout_s, self.memory_bytes = timeout_s, int(memory_gib * 2**30)
-        self._indexes: OrderedDict[str, tuple[Future, int]] = OrderedDict()   # regex → (future, pickle bytes)
+        self._indexes: OrderedDict[str, tuple[Future, int]] = OrderedDict()   # regex → (future, its binary size)
         self._wanted: dict[str, int] = {}     # regex → requests waiting for its compile
         self._bytes = 0
         self._closed = False
@@ -163,7 +162,12 @@ class GuideCompiler:
                 raise
         if kind != INDEX:
             raise CompileError(payload.decode("utf-8", "replace"), lasting=True)
-        return pickle.loads(payload), len(payload)
+        from outlines_core import Index
+
+        try:
+            return Index.from_binary(payload), len(payload)
+        except Exception as exc:  # noqa: BLE001 - outlines-core's own error types
+            raise CompileError(f"the guide compiler's answer could not be read: {exc}", lasting=False) from None
 
     def _died(self, proc: subprocess.Popen) -> CompileError:
         try:
