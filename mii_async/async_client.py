@@ -25,11 +25,11 @@ from typing import Any, AsyncIterator, Coroutine, Sequence, TypeVar
 import zmq.asyncio
 
 from . import protocol as P
+from .client_connection import Connection, Lost, within
 from .errors import UnavailableError, error_from_code
 from .guided import normalize_json_schema
 from .outputs import Logprob, Response, StreamChunk, Usage
 from .params import SamplingParams
-from .client_connection import Connection, Lost, within
 from .router.prompts import check_token_ids, is_messages, is_token_ids
 from .transport import DealerSocket
 

@@ -58,7 +58,8 @@ def normalize_choice(v: Any) -> tuple[str, ...]:
 
 def check_regex(v: Any) -> str:
     if not isinstance(v, str) or not v or len(v) > MAX_GUIDE_CHARS:
-        raise InvalidParameterError("guided_regex", f"must be a regular expression of 1 to {MAX_GUIDE_CHARS} characters")
+        raise InvalidParameterError("guided_regex",
+                                    f"must be a regular expression of 1 to {MAX_GUIDE_CHARS} characters")
     _utf8("guided_regex", v)
     try:
         re.compile(v)

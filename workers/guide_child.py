@@ -3,9 +3,10 @@
 It reads the model's vocabulary once (tokenizer.json through `tokenizers`; no torch), says it is ready, then
 compiles each regex it is sent into an outlines-core Index and sends it back in outlines-core's own binary
 form (`Index.from_binary` reads it; no pickle), until its stdin closes or its parent dies (it checks each
-second, even in the middle of a compile: outlines-core releases the GIL). Frames: to the child, a 4-byte length and the regex in UTF-8; from it, a kind byte and an 8-byte length, then
-the payload. Its stdout is the frames' alone: whatever a library prints goes to stderr. Ctrl-C in the terminal
-is the parent's to handle. workers/guide_compiler.py is the parent's side.
+second, even in the middle of a compile: outlines-core releases the GIL). Frames: to the child, a 4-byte
+length and the regex in UTF-8; from it, a kind byte and an 8-byte length, then the payload. Its stdout is the
+frames' alone: whatever a library prints goes to stderr. Ctrl-C in the terminal is the parent's to handle.
+workers/guide_compiler.py is the parent's side.
 """
 from __future__ import annotations
 

@@ -33,15 +33,15 @@ class Sequence:
     num_pending: int = 0
     max_tokens: int = 0                  # prompt + output at which the request ends by length (0: prompt +
                                          # max_new_tokens; the engine caps it by the context)
-    # True when the argmax of the raw logits is all this request ever needs (greedy, no penalties, no
-    # logit bias, no min_new_tokens mask, no logprobs): the sampler takes one batched argmax when every row is plain.
-    # Derived from the frozen params once, so the per-step check is one attribute read.
+    # True when the argmax of the raw logits is all this request ever needs (greedy, no penalties, no logit
+    # bias, no guide, no min_new_tokens mask, no logprobs): the sampler takes one batched argmax when every row
+    # is plain. Derived from the frozen params once, so the per-step check is one attribute read.
     plain: bool = field(init=False)
     # True when sampling never reads the output so far (no repetition / presence / frequency penalty, no
     # guide): a step may then be sampled while this request's previous token is still a placeholder.
     history_free: bool = field(init=False)
-    guide: Any = None                    # guided generation: the outlines-core Guide walking its automaton (set at
-                                         # admission, advanced by each token read)
+    guide: Any = None                    # guided generation: its RequestGuide (workers/guides.py), set at
+                                         # admission, advanced by each token read
 
     def __post_init__(self) -> None:
         p = self.params

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import InvalidParameterError
+from ..guided import GUIDED_FIELDS
 from ..params import MAX_LOGPROBS, SamplingParams
 from .http_errors import bad_request
 from .openai_schemas import ChatCompletionRequest, CompletionRequest, _Common
@@ -37,7 +38,7 @@ def _common(body: _Common) -> dict[str, Any]:
         p["stop_token_ids"] = list(body.stop_token_ids)
     if body.logit_bias:
         p["logit_bias"] = [[k, b] for k, b in body.logit_bias.items()]
-    for name in ("guided_json", "guided_regex", "guided_choice"):
+    for name in GUIDED_FIELDS:
         if (v := getattr(body, name)) is not None:
             p[name] = v
     return p
@@ -146,7 +147,7 @@ async def chat_jobs(body: ChatCompletionRequest, state: GatewayState) -> list[Jo
     messages = chat_messages(body.messages)
     params = _common(body)
     if guided := _response_format(body.response_format):
-        if any(k in params for k in ("guided_json", "guided_regex", "guided_choice")):
+        if any(k in params for k in GUIDED_FIELDS):
             raise bad_request("response_format", "give either response_format or a guided_* field, not both")
         params.update(guided)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
