@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -132,6 +133,7 @@ class Engine:
             self.async_scheduling = False   # the other ranks would need the device ids too: not yet
         self._inflight: _InFlight | None = None
         self.guided: GuidedRequests | None = None      # made at the first guided request
+        self._arrivals = itertools.count()             # Sequence.arrival: the waiting queue's order
         self.failed: list[tuple[int, str]] = []        # (req_id, why) of requests ended here: `take_failed`
         # What exists now (the model, its modules, the tokenizer, the process's imports) lives as long as the
         # engine: moved out of the collector's generations, so that a full collection during serving does not
@@ -156,7 +158,7 @@ class Engine:
     def add_request(self, req_id: int, prompt_ids: list[int], params: SamplingParams) -> None:
         assert req_id not in self.seqs, f"request id {req_id} is already live"
         self.check_request(prompt_ids, params)
-        seq = Sequence(req_id, list(prompt_ids), params)
+        seq = Sequence(req_id, list(prompt_ids), params, arrival=next(self._arrivals))
         seq.max_tokens = min(seq.max_tokens, self.max_model_len)
         if params.guide is not None:
             self.guided_compiler()

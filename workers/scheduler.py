@@ -25,7 +25,14 @@ class Scheduler:
         self._cut: set[int] = set()               # id(seq) of the chunk the last plan cut (step_token_multiple)
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queues `seq` in arrival order: behind every waiting sequence that arrived before it. A request
+        that joins late (a guided one, once its automaton is compiled) goes ahead of those that arrived after
+        it; the others join at the back."""
+        waiting = self.waiting
+        i = len(waiting)
+        while i and waiting[i - 1].arrival > seq.arrival:
+            i -= 1
+        waiting.insert(i, seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -42,6 +42,8 @@ class Sequence:
     history_free: bool = field(init=False)
     guide: Any = None                    # guided generation: its RequestGuide (workers/guides.py), set at
                                          # admission, advanced by each token read
+    arrival: int = 0                     # the engine's count of requests added before this one: the waiting
+                                         # queue's order (a guided request joins it late, at its place)
 
     def __post_init__(self) -> None:
         p = self.params

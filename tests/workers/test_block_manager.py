@@ -140,3 +140,23 @@ def test_a_cut_never_leaves_a_one_token_row():
     flags = [s.sample for s in plan.seqs[:plan.num_decodes]]
     assert flags == sorted(flags, reverse=True) and plan.num_tokens == 6 + 7 + 1, (flags, plan.num_tokens)
     bm.check_invariants(sched.all_seqs())
+
+
+def test_a_late_request_waits_at_its_arrival_place():
+    """A request that joins the queue late (a guided one, once compiled) is admitted ahead of those that arrived
+    after it, behind those that arrived before; with one sequence at a time the order is the arrival order."""
+    bm = BlockManager(64, 4)
+    sched = Scheduler(SchedulerConfig(max_batch_tokens=64, max_num_seqs=1).resolved("cpu"), bm)
+    seqs = {i: Sequence(i, [1, 2, 3], SamplingParams(max_new_tokens=1), arrival=i) for i in (0, 2, 3)}
+    for s in seqs.values():
+        sched.add(s)
+    seqs[1] = Sequence(1, [1, 2, 3], SamplingParams(max_new_tokens=1), arrival=1)
+    sched.add(seqs[1])
+    order = []
+    while sched.has_work():
+        plan = sched.schedule()
+        order += [s.req_id for s in plan.seqs]
+        _run_plan(sched, plan, seqs)
+        sched.remove_many([seqs[s.req_id] for s in plan.seqs])
+    assert order == [0, 1, 2, 3]
+    bm.check_invariants(sched.all_seqs())
