@@ -41,6 +41,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False           # keep going past EOS (benchmarks)
     logprobs: int | None = None        # None: none; n: the sampled token's logprob plus the top n
+    prompt_logprobs: int | None = None # None: none; n: each prompt token's logprob given the tokens before it
+                                       # (None for the first) plus the top n there; the prompt is computed
+                                       # whole (no prefix-cache hits)
     skip_special_tokens: bool = True   # when detokenizing
     return_full_text: bool = False     # DeepSpeed-MII: prepend the prompt to generated_text
     do_sample: bool | None = None      # DeepSpeed-MII/HF: False forces greedy
@@ -90,6 +93,8 @@ class SamplingParams:
             raise InvalidParameterError("do_sample", "must be true, false or null")
         if self.logprobs is not None:
             _int(self, "logprobs", lo=0, hi=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _int(self, "prompt_logprobs", lo=0, hi=MAX_LOGPROBS)
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         named = [f for f in GUIDED_FIELDS if getattr(self, f) is not None]
         if len(named) > 1:

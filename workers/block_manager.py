@@ -125,8 +125,8 @@ class BlockManager:
         assert not seq.block_table and seq.num_computed_tokens == 0, "match_prefix on a sequence with blocks"
         max_blocks = (seq.num_tokens - 1) // self.block_size
         self.query_tokens += seq.prompt_len
-        if not self.enable_prefix_caching:
-            return
+        if not self.enable_prefix_caching or seq.prompt_lps is not None:   # prompt logprobs: every position's
+            return                                                        # logits are computed
         parent: int | None = None
         for i in range(max_blocks):
             key = (parent, tuple(seq.token_ids(i * self.block_size, (i + 1) * self.block_size)))

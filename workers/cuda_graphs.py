@@ -126,7 +126,7 @@ class DecodeGraphs:
         n = len(plan.seqs)
         # A graph returns a row's logits for every row, so each must be sampled. The scheduler puts sampled
         # one-token rows before unsampled ones (a chunk cut short), so the last row tells.
-        if plan.num_decodes != n or n > self.buckets[-1] or not plan.seqs[-1].sample:
+        if plan.num_decodes != n or n > self.buckets[-1] or not plan.seqs[-1].sample or plan.num_scored:
             return None
         starts = [s.start_pos for s in plan.seqs]
         longest = max(starts) + 1

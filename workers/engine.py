@@ -32,6 +32,7 @@ from .loader import TensorReader, WeightReader, load_spec
 from .memory_plan import MemoryPlan, plan_kv, profile_step
 from .models.llama import LlamaModel
 from .parallel import TPGroup
+from .prompt_logprobs import PendingScores, launch_scores, read_scores
 from .runner import Runner
 from .sampler import PendingSample, Sampler, TokenLogprobs
 from .scheduler import Scheduler
@@ -47,6 +48,8 @@ class EngineOutput(NamedTuple):
     logprobs: TokenLogprobs | None
     finish_reason: str | None           # "stop" (EOS / stop id) | "length" | None while running
     cached_tokens: int                  # prompt tokens this request took from the prefix cache
+    # params.prompt_logprobs: on a request's first token only, one entry per prompt token (None for the first)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class _InFlight(NamedTuple):
@@ -55,6 +58,7 @@ class _InFlight(NamedTuple):
     slots: list[int]                    # where each one's placeholder sits in its output_ids
     sample: PendingSample
     history_free: bool                  # no row's sampling reads the output so far
+    scores: PendingScores | None = None # the step's prompt logprobs, if it scored prompt rows
 
 
 class Engine:
@@ -275,6 +279,10 @@ class Engine:
         if self.tp is not None:
             self.tp.send_plan(plan)
         logits = self.runner.execute(plan, prev.sample.token_ids if prev is not None else None, between_layers)
+        scores = None
+        if plan.num_scored:                                # the rows after the sampled ones
+            scores = launch_scores(plan, self.scheduler.planned(), logits[-plan.num_scored:])
+            logits = logits[:-plan.num_scored]
         sampled = self.scheduler.commit_step()
         sample = self.sampler.launch(logits, sampled)      # (before the placeholders: penalties read the history)
         slots = []
@@ -283,7 +291,7 @@ class Engine:
             seq.num_pending += 1
             slots.append(len(seq.output_ids) - 1)
         self.num_steps += 1
-        return _InFlight(sampled, slots, sample, all(s.history_free for s in sampled))
+        return _InFlight(sampled, slots, sample, all(s.history_free for s in sampled), scores)
 
     def flush(self) -> list[EngineOutput]:
         """Reads the step in flight, if any (async scheduling): afterwards no output id is a placeholder."""
@@ -302,6 +310,8 @@ class Engine:
         min_new_tokens exist) before "length". Runs once per sampled sequence per step, so the checks are
         inlined."""
         result = self.sampler.resolve(step.sample)
+        if step.scores is not None:
+            read_scores(step.scores)         # (its copies were queued before the sample's event)
         outputs, finished = [], []
         eos, register = self.spec.eos_token_ids, self.block_manager.register_full_blocks
         async_ = self.async_scheduling
@@ -329,7 +339,8 @@ class Engine:
             if async_ and seq.num_pending == 0 and seq.status is Status.RUNNING:
                 register(seq)                # blocks whose hashing waited on this token (synchronous steps
                                              # commit with no placeholder, so they hashed them already)
-            outputs.append(EngineOutput(seq.req_id, tok, lp, reason, seq.num_cached_prompt_tokens))
+            outputs.append(EngineOutput(seq.req_id, tok, lp, reason, seq.num_cached_prompt_tokens,
+                                        seq.prompt_lps if at == 0 else None))
         return outputs, finished
 
     def _finish(self, seqs: list[Sequence]) -> None:

@@ -78,10 +78,11 @@ class TPGroup:
 
 
 def _encode_plan(plan: StepPlan) -> bytes:
-    return msgpack.packb([plan.num_decodes, [[s.req_id, s.token_ids, s.start_pos, s.block_table, s.sample]
-                                             for s in plan.seqs]])
+    return msgpack.packb([plan.num_decodes, plan.num_scored,
+                          [[s.req_id, s.token_ids, s.start_pos, s.block_table, s.sample, s.score_from, s.score_to]
+                           for s in plan.seqs]])
 
 
 def _decode_plan(data: bytes) -> StepPlan:
-    num_decodes, seqs = msgpack.unpackb(data)
-    return StepPlan([ScheduledSeq(*s) for s in seqs], num_decodes)
+    num_decodes, num_scored, seqs = msgpack.unpackb(data)
+    return StepPlan([ScheduledSeq(*s) for s in seqs], num_decodes, num_scored=num_scored)

@@ -32,10 +32,11 @@ def pack_tables(seqs: list[ScheduledSeq], pad: int) -> tuple[np.ndarray, np.ndar
 
 class HostInputs(NamedTuple):
     """A step's inputs on the host: one int64 buffer and where each field sits in it."""
-    buf: np.ndarray            # [3T + S + (S + 1) + R + S·W] ids, positions, slots, context lens, query
-                               # starts, sampled rows, block tables
+    buf: np.ndarray            # [3T + S + (S + 1) + R + E + S·W] ids, positions, slots, context lens, query
+                               # starts, sampled rows then scored rows (prompt logprobs), block tables
     num_tokens: int            # T
     num_sampled: int           # R
+    num_scored: int            # E
     width: int                 # W, blocks per padded table row
     query_lens: list[int]      # [S] host copies the attention metadata carries
     context_lens: list[int]    # [S]
@@ -62,9 +63,11 @@ def host_inputs(plan: StepPlan, block_size: int, ragged: bool = False, pending: 
     num_tok, width = len(ids), tables.shape[1]
     sample = np.fromiter((s.sample for s in seqs), np.bool_, n)
     num_sampled = int(sample.sum())
+    num_scored = plan.num_scored
     groups: list[HostGroup] = []
     layout = None
-    base = 3 * num_tok + 2 * n + 1 + num_sampled + n * width
+    num_rows = num_sampled + num_scored
+    base = 3 * num_tok + 2 * n + 1 + num_rows + n * width
     if ragged and plan.num_decodes < n:
         layout, groups = prefill_layout(tables, qlens, clens, plan.num_decodes, block_size)
         groups = [g._replace(slots=(g.slots[0] + base, g.slots[1] + base), cu=g.cu + base) for g in groups]
@@ -77,8 +80,8 @@ def host_inputs(plan: StepPlan, block_size: int, ragged: bool = False, pending: 
     o *= 3
     clens_v, qsl_v = buf[o:o + n], buf[o + n:o + 2 * n + 1]
     o += 2 * n + 1
-    rows_v = buf[o:o + num_sampled]
-    tables_v = buf[o + num_sampled:base].reshape(n, width)
+    rows_v = buf[o:o + num_rows]
+    tables_v = buf[o + num_rows:base].reshape(n, width)
     if layout is not None:
         buf[base:end] = layout
     if npatch:
@@ -89,7 +92,10 @@ def host_inputs(plan: StepPlan, block_size: int, ragged: bool = False, pending: 
     assert ((clens_v + block_size - 1) // block_size <= lens).all(), "a block table does not cover its tokens"
     qsl_v[0] = 0
     np.cumsum(qlens, out=qsl_v[1:])
-    rows_v[:] = qsl_v[1:][sample] - 1                  # each sampled sequence's last token
+    rows_v[:num_sampled] = qsl_v[1:][sample] - 1       # each sampled sequence's last token
+    if num_scored:                                     # then the rows scored for prompt logprobs
+        rows_v[num_sampled:] = list(chain.from_iterable(range(q + s.score_from, q + s.score_to)
+                                                        for q, s in zip(qsl_v[:-1].tolist(), seqs)))
     tables_v[:] = tables
     if num_tok == n:
         pos_v[:] = starts
@@ -99,7 +105,7 @@ def host_inputs(plan: StepPlan, block_size: int, ragged: bool = False, pending: 
         np.subtract(np.arange(num_tok), qsl_v[:-1][seq_of], out=pos_v)
         pos_v += np.asarray(starts, np.int64)[seq_of]
     slots_v[:] = tables[seq_of, pos_v // block_size] * block_size + pos_v % block_size
-    return HostInputs(buf, num_tok, num_sampled, width, qlens, clens, groups, npatch)
+    return HostInputs(buf, num_tok, num_sampled, num_scored, width, qlens, clens, groups, npatch)
 
 
 def placeholders(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -126,7 +132,8 @@ class Runner:
 
     def execute(self, plan: StepPlan, pending: torch.Tensor | None = None,
                 between_layers: Callable[[], None] | None = None) -> torch.Tensor:
-        """Runs one step; returns logits [number of sampled seqs, V] in plan order. `pending`: the ids the step
+        """Runs one step; returns logits [number of sampled seqs + plan.num_scored, V]: the sampled rows in plan
+        order, then the rows scored for prompt logprobs, in plan order. `pending`: the ids the step
         in flight samples, on the device, which placeholder ids in the plan stand for (async scheduling).
         `between_layers`: called after each layer's launches of an eager forward (not a graph replay)."""
         if self.graphs is not None:
@@ -139,7 +146,7 @@ class Runner:
             # Pinned (torch's caching host allocator keeps the block until the copy is done), then one
             # asynchronous copy: no sync here; the sampler's one read-back per step is the sync.
             buf = buf.pin_memory().to(self.device, non_blocking=True)
-        t, n, r, w = h.num_tokens, len(h.query_lens), h.num_sampled, h.width
+        t, n, r, w = h.num_tokens, len(h.query_lens), h.num_sampled + h.num_scored, h.width
         if h.patch:
             fill_pending(buf[:t], buf[-2 * h.patch:-h.patch], buf[-h.patch:], pending)
         o = 3 * t + 2 * n + 1                         # [T] ids, positions, slots; [S] clens; [S+1] qsl

@@ -14,6 +14,10 @@ from .sequence import Sequence, Status
 from .step_plan import ScheduledSeq, StepPlan
 
 
+MAX_SCORED_ROWS = 512   # prompt positions scored for prompt logprobs per step: their fp32 logits rows (and
+                        # log-softmax) are [rows, V], 0.26 GB each at a 128k vocabulary
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
@@ -96,6 +100,7 @@ class Scheduler:
             # stop at the mixed budget; the decodes themselves are never held back by it.
             budget = min(budget, max(cap, len(decodes)))
         preempted = 0
+        score_left = MAX_SCORED_ROWS
         # id(seq) → (seq, tokens this step), insertion order
         chosen: dict[int, tuple[Sequence, int]]
         new_blocks = sum(needs)
@@ -119,6 +124,11 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.scoring:
+                n = min(n, score_left)
+                if n == 0:
+                    continue
+                score_left -= n
             while bm.blocks_needed(seq, n) > bm.num_free:
                 victim = self.running[-1]
                 if id(victim) in chosen:
@@ -138,6 +148,9 @@ class Scheduler:
             if not seq.block_table:
                 bm.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, bm.max_appendable(seq))
+            if seq.scoring:
+                n = min(n, score_left)
+                score_left -= max(n, 0)
             if n <= 0:
                 bm.free(seq)                    # give back prefix hits; retry when blocks free up
                 seq.num_computed_tokens = seq.num_hashed_blocks = 0
@@ -190,12 +203,25 @@ class Scheduler:
         self._scheduled = chosen
         seqs = []
         add = seqs.append
+        scored = 0
         for seq, n in chosen:
             start = seq.num_computed_tokens
             end = start + n
-            add(ScheduledSeq(seq.req_id, seq.token_ids(start, end), start, seq.block_table.copy(),
-                             end == seq.num_tokens))
-        return StepPlan(seqs, len(ones), preempted)
+            entry = ScheduledSeq(seq.req_id, seq.token_ids(start, end), start, seq.block_table.copy(),
+                                 end == seq.num_tokens)
+            if seq.prompt_lps is not None:             # prompt logprobs: positions not planned before, up
+                first = max(start, seq.num_scored)     # to the prompt's last but one
+                top = min(end, len(seq.prompt_ids) - 1)
+                if top > first:
+                    entry.score_from, entry.score_to = first - start, top - start
+                    seq.num_scored = top
+                    scored += top - first
+            add(entry)
+        return StepPlan(seqs, len(ones), preempted, scored)
+
+    def planned(self) -> list[Sequence]:
+        """The sequences of the last plan's entries, in plan order."""
+        return [seq for seq, _ in self._scheduled]
 
     def commit(self, seq: Sequence, num_tokens: int) -> None:
         """After the forward pass: `num_tokens` more of `seq` are in the cache."""

@@ -42,6 +42,10 @@ class Sequence:
     history_free: bool = field(init=False)
     guide: Any = None                    # guided generation: its RequestGuide (workers/guides.py), set at
                                          # admission, advanced by each token read
+    # Prompt logprobs (params.prompt_logprobs): entry i is prompt token i's (None for the first), appended as
+    # steps are read; `num_scored` prompt positions have been planned (position p gives token p + 1's).
+    prompt_lps: list | None = field(init=False)
+    num_scored: int = 0
     arrival: int = 0                     # the engine's count of requests added before this one: the waiting
                                          # queue's order (a guided request joins it late, at its place)
 
@@ -51,6 +55,7 @@ class Sequence:
                              and p.guide is None)     # a guide's next mask follows the last token
         self.plain = (p.greedy and p.logprobs is None and p.min_new_tokens == 0 and self.history_free
                       and not p.logit_bias)
+        self.prompt_lps = [None] if p.prompt_logprobs is not None else None
         if not self.max_tokens:
             self.max_tokens = len(self.prompt_ids) + p.max_new_tokens
 
@@ -70,6 +75,11 @@ class Sequence:
         if start >= p:
             return self.output_ids[start - p:end - p]
         return self.prompt_ids[start:] + self.output_ids[:end - p]
+
+    @property
+    def scoring(self) -> bool:
+        """Whether prompt positions whose logprobs are asked for are still to be computed."""
+        return self.prompt_lps is not None and self.num_scored < len(self.prompt_ids) - 1
 
     def reset_for_recompute(self) -> None:
         """After preemption: the blocks are gone; prompt + output so far will be prefilled again."""

@@ -1,0 +1,51 @@
+"""Prompt logprobs: each prompt token's logprob given the tokens before it, from the logits of the rows a step
+scores (`ScheduledSeq.score_from` / `score_to`, planned by the scheduler), computed on the device when the step
+is launched and read with its sampled ids."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .sampler import TokenLogprobs, to_device
+from .sequence import Sequence, Status
+from .step_plan import StepPlan
+
+
+class PendingScores(NamedTuple):
+    """A step's prompt logprobs, enqueued on the device. Their host copies are queued before the step's sampling,
+    so the event the sampler records after its own copies covers them too."""
+    spans: list[tuple[Sequence, int]]    # each scored sequence and its number of rows, in row order
+    top_n: list[int]                     # each one's params.prompt_logprobs
+    host: tuple                          # own [E], top values [E, k], top ids [E, k] (pinned copies on a GPU)
+
+
+def launch_scores(plan: StepPlan, seqs: list[Sequence], logits: torch.Tensor) -> PendingScores:
+    """`logits` [plan.num_scored, V] fp32: the scored rows, in plan order; `seqs`: the plan's sequences, in
+    plan order. Row r of a chunk scores the prompt token after it: its own logprob, and the top n of the row."""
+    spans, top_n, targets = [], [], []
+    for s, seq in zip(plan.seqs, seqs):
+        if s.score_to > s.score_from:
+            spans.append((seq, s.score_to - s.score_from))
+            top_n.append(seq.params.prompt_logprobs)
+            targets += seq.prompt_ids[s.start_pos + s.score_from + 1:s.start_pos + s.score_to + 1]
+    lp = torch.log_softmax(logits.float(), -1).clamp_min_(-9999.0)   # JSON carries no -inf
+    own = lp.gather(1, to_device(targets, lp.device)[:, None])[:, 0]
+    k = max(top_n)
+    top_v, top_i = torch.topk(lp, k, -1) if k else (lp[:, :0], lp[:, :0].long())
+    host = (own, top_v, top_i)
+    if lp.device.type == "cuda":
+        host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in host)
+    return PendingScores(spans, top_n, host)
+
+
+def read_scores(p: PendingScores) -> None:
+    """Appends each scored sequence's prompt logprobs, once the step's sampled ids have been read (which waits
+    for these copies too). A sequence ended since the launch is left alone."""
+    own, top_v, top_i = (t.tolist() for t in p.host)
+    row = 0
+    for (seq, count), n in zip(p.spans, p.top_n):
+        if seq.status is not Status.FINISHED:
+            seq.prompt_lps.extend(TokenLogprobs(own[j], list(zip(top_i[j][:n], top_v[j][:n])))  # type: ignore[union-attr]
+                                  for j in range(row, row + count))
+        row += count
