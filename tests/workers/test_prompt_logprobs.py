@@ -127,3 +127,15 @@ def test_an_abort_while_scoring_leaves_nothing(tiny_model):
     assert [o.req_id for o in firsts] == [2] and len(firsts[0].prompt_logprobs) == 17
     assert all(len(e.top) == 1 for e in firsts[0].prompt_logprobs[1:])
     assert engine.block_manager.num_free == engine.num_blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernels", ["reference", "cuda"])
+def test_prompt_logprobs_on_cuda(tiny_model, prompts, expected, kernels):
+    """fp32 on the GPU (async scheduling and decode graphs, the GPU defaults), chunked beside decodes: the same
+    logprobs as transformers; the host copies are read behind the step's event."""
+    engine = make_engine(tiny_model("llama"), device="cuda", dtype="float32", num_blocks=64, max_batch_tokens=16,
+                         kernels=kernels)
+    got = _run(engine, prompts)
+    for (_, plp), want, p in zip(got, expected["llama"], prompts):
+        _check(plp, want, p)
