@@ -138,6 +138,7 @@ class AsyncClient:
     async def _collect(self, prompt: Prompt, params: dict[str, Any]) -> Response:
         text, ids, lps = [], [], []
         prompt_ids: list[int] = []
+        prompt_lps: list[Logprob | None] | None = None
         last: P.Delta | None = None
         async for d in self._deltas(prompt, params):
             text.append(d.text)
@@ -146,6 +147,8 @@ class AsyncClient:
                 lps.extend(_logprob(x) for x in d.logprobs)
             if d.prompt_ids is not None:
                 prompt_ids = d.prompt_ids
+            if d.prompt_logprobs is not None:
+                prompt_lps = _prompt_logprobs(d.prompt_logprobs)
             last = d
         assert last is not None and last.finish_reason is not None, "stream ended without a finish reason"
         out = "".join(text)
@@ -153,7 +156,8 @@ class AsyncClient:
             out = prompt + out
         usage = _usage(last.usage)
         return Response(out, usage.prompt_tokens if usage else len(prompt_ids), len(ids), last.finish_reason, ids,
-                        prompt_ids, lps if params.get("logprobs") is not None else None, usage, last.error)
+                        prompt_ids, lps if params.get("logprobs") is not None else None, usage, last.error,
+                        prompt_lps)
 
     # -- the deployment ------------------------------------------------------------------------------
     async def health(self) -> dict:
@@ -287,6 +291,10 @@ def _logprob(x: list) -> Logprob:
     return Logprob(int(x[0]), float(x[1]), [(int(i), float(lp)) for i, lp in x[2]])
 
 
+def _prompt_logprobs(xs: list) -> list[Logprob | None]:
+    return [None if x is None else _logprob(x) for x in xs]
+
+
 def _usage(u: dict | None) -> Usage | None:
     if u is None:
         return None
@@ -295,4 +303,6 @@ def _usage(u: dict | None) -> Usage | None:
 
 def _chunk(d: P.Delta) -> StreamChunk:
     lps = [_logprob(x) for x in d.logprobs] if d.logprobs else None
-    return StreamChunk(d.text, list(d.token_ids), lps, d.finish_reason, _usage(d.usage), d.error)
+    plps = _prompt_logprobs(d.prompt_logprobs) if d.prompt_logprobs is not None else None
+    return StreamChunk(d.text, list(d.token_ids), lps, d.finish_reason, _usage(d.usage), d.error, plps,
+                       d.prompt_ids)

@@ -1,7 +1,7 @@
 """What a caller gets back: a Response per finished request, a StreamChunk per streamed step.
 
 Field names follow DeepSpeed-MII's Response (generated_text, prompt_length, generated_length, finish_reason),
-with token ids, logprobs and usage added.
+with token ids, logprobs, prompt logprobs and usage added.
 """
 from __future__ import annotations
 
@@ -32,10 +32,16 @@ class Logprob:
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)   # (token id, logprob), best first
 
+    def to_dict(self) -> dict[str, Any]:
+        """JSON's form (the gateway's REST and WebSocket answers): top as [[id, logprob], …]."""
+        return {"token_id": self.token_id, "logprob": self.logprob, "top": [list(t) for t in self.top]}
+
 
 @dataclass
 class StreamChunk:
-    """One streamed step of a request. The last chunk has `finish_reason` and `usage` set."""
+    """One streamed step of a request. The last chunk has `finish_reason` and `usage` set. With
+    `prompt_logprobs` asked, the chunk of the first sampled token (the first chunk, unless the request ended
+    before any token) carries them; every other chunk has None."""
 
     text: str                                   # new text, UTF-8 safe, never a partial stop string
     token_ids: list[int]                        # tokens sampled since the previous chunk
@@ -43,6 +49,8 @@ class StreamChunk:
     finish_reason: str | None = None            # "stop" | "length" | "abort" | "error" on the last chunk
     usage: Usage | None = None
     error: str | None = None                    # the message when finish_reason == "error"
+    prompt_logprobs: list[Logprob | None] | None = None   # as Response.prompt_logprobs, on one chunk only
+    prompt_token_ids: list[int] | None = None   # the first chunk only: the prompt's ids (as the engine got them)
 
 
 @dataclass
@@ -56,6 +64,10 @@ class Response:
     logprobs: list[Logprob] | None = None
     usage: Usage | None = None
     error: str | None = None
+    # With prompt_logprobs=n: one entry per prompt token, None for the first (nothing comes before it), each
+    # other the token's logprob given the tokens before it and the n most likely tokens there. None when not
+    # asked, or when the request ended before its first token.
+    prompt_logprobs: list[Logprob | None] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"generated_text": self.generated_text, "prompt_length": self.prompt_length,

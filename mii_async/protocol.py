@@ -20,10 +20,13 @@ from typing import Any, NamedTuple, Union
 
 import msgpack
 
-PROTOCOL_VERSION = 2                  # 2: DeltaBatch, StatsQuery.reset_prefix_cache
+PROTOCOL_VERSION = 3                  # 2: DeltaBatch, StatsQuery.reset_prefix_cache; 3: prompt_logprobs
+                                      # (StepTokens, Delta): a peer of 2 refuses them as unknown fields
 MAX_FRAME_BYTES = 16 * 2**20          # also the sockets' ZMQ_MAXMSGSIZE
 MAX_ITEMS = 1 << 20                    # longest msgpack array or map, and bin length in ids
 MAX_BATCH_DELTAS = 1 << 14             # Deltas in one DeltaBatch at most (each is checked and built on decode)
+MAX_PROMPT_LOGPROBS_BYTES = 12 * 2**20 # one request's prompt logprobs (with its prompt ids) in a frame at most,
+                                       # by prompt_logprobs_bytes: the router refuses a request that needs more
 
 _IDS = {"ids": True}                   # field metadata: a packed token-id array on the wire
 
@@ -60,6 +63,9 @@ class Delta:
     usage: dict | None = None                      # prompt_tokens, completion_tokens, cached_tokens
     error: str | None = None                       # with finish_reason "error"
     prompt_ids: list[int] | None = field(default=None, metadata=_IDS)   # first delta only: the prompt's ids
+    prompt_logprobs: list | None = None            # on the delta of the first sampled token, when asked: per
+                                                   # prompt token None (the first) or [token_id, logprob,
+                                                   # [[id, logprob], …]], its logprob given the tokens before it
 
 
 @dataclass
@@ -161,6 +167,9 @@ class StepTokens:
     finish_reasons: list[str | None] = field(default_factory=list)   # parallel; None while running
     cached_tokens: list[int] = field(default_factory=list)           # parallel; prefix-cache hits
     logprobs: list | None = None                   # parallel, entries None or [logprob, [[id, lp], …]]
+    prompt_logprobs: list | None = None            # parallel, entries None or, on a request's first sampled
+                                                   # token when it asked, one entry per prompt token: None (the
+                                                   # first) or [logprob, [[id, lp], …]]; None when none is set
 
 
 @dataclass
@@ -198,6 +207,13 @@ Message = Union[Generate, Abort, Delta, DeltaBatch, ErrorReply, Query, QueryRepl
                 StatsQuery, StatsReport, AddRequest, AbortRequest, StepTokens, Ready, Heartbeat, RequestFailed,
                 Shutdown]
 _TYPES: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(Message)}
+
+
+def prompt_logprobs_bytes(num_tokens: int, n: int) -> int:
+    """An upper bound on the bytes that a prompt of `num_tokens` with prompt_logprobs=`n` adds to a Delta: per
+    token its packed id (4), and an entry [id (≤5), float64 (9), [[id, lp] (15 each) × n]] with its array
+    headers (4); a StepTokens entry (no id, no prompt ids) is smaller."""
+    return num_tokens * (22 + 15 * n)
 
 
 def _pack_ids(ids: list[int]) -> bytes:

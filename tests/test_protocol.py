@@ -22,6 +22,8 @@ SAMPLES = [
     p.AddRequest(7, [1, 2, 3], {"temperature": 0.5}),
     p.AbortRequest(7),
     p.StepTokens([7, 8], [11, 12], [None, "length"], [0, 16], [None, [-0.5, [[12, -0.5]]]]),
+    p.StepTokens([7, 8], [11, 12], [None, None], [0, 0], None, [[None, [-2.5, [[3, -0.1]]]], None]),
+    p.Delta("r1", "a", [5], None, None, None, None, [1, 3], [None, [3, -2.5, [[3, -2.5], [9, -3.0]]]]),
     p.Ready(0, 1, {"num_blocks": 10}),
     p.Heartbeat(0, {"used_blocks": 3}),
     p.RequestFailed(7, "boom"),
@@ -40,6 +42,21 @@ def test_a_batch_packs_each_deltas_token_ids():
     frame = msgpack.unpackb(p.encode(p.DeltaBatch([p.Delta("r1", "a", [5, 6])])))
     assert frame["deltas"][0]["token_ids"] == bytes([5, 0, 0, 0, 6, 0, 0, 0])
     assert "v" not in frame["deltas"][0] and "t" not in frame["deltas"][0]
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 20])
+def test_prompt_logprobs_bytes_bounds_the_encoded_size(n):
+    """prompt_logprobs_bytes is an upper bound on what a prompt's logprobs (largest ids, float64s) and its
+    packed ids add to a Delta, and on what they add to a StepTokens."""
+    top = [[2**32 - 1, -1.0 / 3]] * n
+    plps = [None] + [[2**32 - 1, -1.0 / 3, top]] * 999
+    ids = [2**32 - 1] * 1000
+    bare = len(p.encode(p.Delta("r", "", [5])))
+    assert len(p.encode(p.Delta("r", "", [5], None, None, None, None, ids, plps))) - bare <= \
+        p.prompt_logprobs_bytes(1000, n)
+    bare = len(p.encode(p.StepTokens([1], [5], [None], [0])))
+    assert len(p.encode(p.StepTokens([1], [5], [None], [0], None, [[e and e[1:] for e in plps]]))) - bare <= \
+        p.prompt_logprobs_bytes(1000, n)
 
 
 def test_token_ids_are_packed():
@@ -80,7 +97,8 @@ def test_malformed_frames_raise_protocol_error(frame):
 
 
 def test_a_frame_of_another_protocol_version_is_refused_naming_both():
-    """A peer of the previous protocol version (no DeltaBatch) gets a ProtocolError that names the versions."""
+    """A peer of the previous protocol version (no prompt logprobs) gets a ProtocolError that names the
+    versions."""
     with pytest.raises(p.ProtocolError, match=f"protocol version {V - 1} is not {V}"):
         p.decode(msgpack.packb({"v": V - 1, "t": "Abort", "req_id": "x"}))
 

@@ -32,6 +32,7 @@ from mii_async.transport import SyncDealerSocket
 log = logging.getLogger("mii_async.worker")
 ASSIGN_TIMEOUT_S = 120.0
 STATS_REFRESH_S = 0.5        # how stale the counters in a heartbeat may be (StatsQuery answers are fresh)
+STEP_FRAME_BYTES = 4 * 2**20 # prompt logprobs in one StepTokens at most, unless one request's alone are more
 
 
 class Worker:
@@ -185,11 +186,32 @@ class Worker:
     def _send_tokens(self, outputs: list) -> None:
         if not outputs:
             return
+        # Prompt logprobs come once per request (with its first token) and may be megabytes: a step whose
+        # outputs carry them goes out in several StepTokens, each under STEP_FRAME_BYTES (the router refuses a
+        # request whose own would not fit a frame).
+        if all(o.prompt_logprobs is None for o in outputs):
+            self._send_step(outputs)
+            return
+        group: list = []
+        size = 0
+        for o in outputs:
+            add = _prompt_logprobs_bytes(o.prompt_logprobs)
+            if group and size + add > STEP_FRAME_BYTES:
+                self._send_step(group)
+                group, size = [], 0
+            group.append(o)
+            size += add
+        self._send_step(group)
+
+    def _send_step(self, outputs: list) -> None:
         lps = [None if o.logprobs is None else [o.logprobs.logprob, [list(t) for t in o.logprobs.top]]
                for o in outputs]
+        plps = [None if o.prompt_logprobs is None else [None if e is None else [e.logprob, [list(t) for t in e.top]]
+                                                        for e in o.prompt_logprobs] for o in outputs]
         self.sock.send(P.StepTokens([o.req_id for o in outputs], [o.token_id for o in outputs],
                                     [o.finish_reason for o in outputs], [o.cached_tokens for o in outputs],
-                                    lps if any(lp is not None for lp in lps) else None))
+                                    lps if any(lp is not None for lp in lps) else None,
+                                    plps if any(p is not None for p in plps) else None))
 
     # -- heartbeat thread ----------------------------------------------------------------------------
     def _heartbeats(self, assign: P.Assign) -> None:
@@ -208,6 +230,13 @@ class Worker:
                     os._exit(3)
         finally:
             hb.close()
+
+
+def _prompt_logprobs_bytes(plps: list | None) -> int:
+    """The wire size bound of one output's prompt logprobs (every entry has the request's n alternatives)."""
+    if plps is None:
+        return 0
+    return P.prompt_logprobs_bytes(len(plps), next((len(e.top) for e in plps if e is not None), 0))
 
 
 def _peak_rss_mib() -> int:

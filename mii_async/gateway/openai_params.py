@@ -41,6 +41,10 @@ def _common(body: _Common) -> dict[str, Any]:
     for name in GUIDED_FIELDS:
         if (v := getattr(body, name)) is not None:
             p[name] = v
+    if body.prompt_logprobs is not None:
+        if body.stream:        # as vLLM: a chunk has no place for them
+            raise bad_request("prompt_logprobs", "prompt_logprobs is not available with stream: true")
+        p["prompt_logprobs"] = body.prompt_logprobs
     return p
 
 
@@ -98,8 +102,10 @@ def completion_jobs(body: CompletionRequest) -> list[Job]:
     n = _n(body)
     if body.best_of is not None and body.best_of != n:
         raise bad_request("best_of", "best_of other than n is not supported")
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo", "echo together with logprobs (prompt logprobs) is not supported")
+    if body.echo and body.max_tokens == 0:
+        # What lm-eval-harness asks to score a prompt; the engine samples at least one token per request.
+        raise bad_request("max_tokens", "max_tokens 0 (echo the prompt without generating) is not supported: "
+                          "ask for max_tokens 1 and leave out the last token of the answer")
     prompt = body.prompt
     if isinstance(prompt, str):
         prompts: list[Any] = [prompt]
@@ -113,6 +119,8 @@ def completion_jobs(body: CompletionRequest) -> list[Job]:
     params["max_new_tokens"] = body.max_tokens if body.max_tokens is not None else 16
     if body.logprobs is not None:
         params["logprobs"] = body.logprobs
+        if body.echo:          # the choice's logprobs cover the echoed prompt's tokens too
+            params["prompt_logprobs"] = max(body.logprobs, params.get("prompt_logprobs", 0))
     return _jobs(prompts, params, n)
 
 

@@ -4,6 +4,11 @@
 `stream_options.include_usage`) a usage chunk whose `choices` is empty, then `data: [DONE]`. A refused request
 is answered before any event (400 / 404 / 503 in OpenAI's error format); an error in the middle of a stream is
 sent as `data: {"error": …}`, then `[DONE]`. A client that disconnects aborts its requests.
+
+Prompt logprobs, two ways: completions' `echo` with `logprobs: n` (OpenAI's) puts the echoed prompt's tokens
+first in the choice's logprobs, the first one's logprob and top null (streamed: in the first chunk, with the
+echoed text); vLLM's `prompt_logprobs: n` (either route, not streamed) adds vLLM's `prompt_logprobs` list —
+per choice on completions, once for the response on chat.
 """
 from __future__ import annotations
 
@@ -70,12 +75,14 @@ async def _answer(s: GatewayState, request: Request, api: str, jobs: list[Job], 
         raise from_exception(exc, RENAME, counted=True) from None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStream(_events(s, opened, meta, chat, include_usage, bool(getattr(body, "echo", False))))
+        return EventStream(_events(s, opened, meta, chat, include_usage, bool(getattr(body, "echo", False)),
+                                   None if chat else body.logprobs))
     try:
         chunks = await until_disconnect(request, collect(opened))
     except MIIAsyncError as exc:
         raise from_exception(exc, RENAME, counted=True) from None
     choices, usage = [], _Usage()
+    answer: dict[str, Any] = {}
     for o in opened:
         cs = chunks[o.job.index]
         last = cs[-1]
@@ -85,21 +92,33 @@ async def _answer(s: GatewayState, request: Request, api: str, jobs: list[Job], 
         text = "".join(c.text for c in cs)
         lps = [lp for c in cs for lp in (c.logprobs or [])]
         want_lp = o.job.params.get("logprobs") is not None
+        first = o.first
         if chat:
             choices.append({"index": o.job.index, "message": {"role": "assistant", "content": text},
                             "logprobs": _chat_logprobs(s, lps) if want_lp else None,
                             "finish_reason": last.finish_reason})
+            if body.prompt_logprobs is not None and answer.get("prompt_logprobs") is None:
+                # vLLM's place: once for the response, whose choices share the prompt
+                answer["prompt_logprobs"] = _vllm_prompt_logprobs(s, first, body.prompt_logprobs)
         else:
+            logprobs = None
             if body.echo:
                 text = _prompt_text(s, o.job.prompt) + text
-            choices.append({"index": o.job.index, "text": text, "logprobs": _text_logprobs(s, lps, 0) if want_lp else None,
-                            "finish_reason": last.finish_reason})
+                if want_lp:
+                    logprobs = _echo_logprobs(s, first, body.logprobs)
+                    _extend(logprobs, _text_logprobs(s, lps, _end_offset(logprobs)))
+            elif want_lp:
+                logprobs = _text_logprobs(s, lps, 0)
+            choice = {"index": o.job.index, "text": text, "logprobs": logprobs, "finish_reason": last.finish_reason}
+            if body.prompt_logprobs is not None:        # vLLM's place: per choice
+                choice["prompt_logprobs"] = _vllm_prompt_logprobs(s, first, body.prompt_logprobs)
+            choices.append(choice)
     return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
-            "usage": usage.body(), "system_fingerprint": None}
+            "usage": usage.body(), "system_fingerprint": None, **answer}
 
 
 async def _events(s: GatewayState, opened: list[Opened], meta: dict, chat: bool, include_usage: bool,
-                  echo: bool) -> AsyncIterator[str]:
+                  echo: bool, echo_logprobs: int | None) -> AsyncIterator[str]:
     obj = "chat.completion.chunk" if chat else "text_completion"
     extra = {"usage": None} if include_usage else {}
     usage = _Usage()
@@ -113,10 +132,11 @@ async def _events(s: GatewayState, opened: list[Opened], meta: dict, chat: bool,
             yield chunk({"index": o.job.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None})
     elif echo:
-        for o in opened:
+        for o in opened:           # the prompt, with its logprobs when asked: the first chunk has them already
             text = _prompt_text(s, o.job.prompt)
-            offsets[o.job.index] = len(text)
-            yield chunk({"index": o.job.index, "text": text, "logprobs": None, "finish_reason": None})
+            lp = _echo_logprobs(s, o.first, echo_logprobs) if echo_logprobs is not None else None
+            offsets[o.job.index] = _end_offset(lp) if lp is not None else len(text)
+            yield chunk({"index": o.job.index, "text": text, "logprobs": lp, "finish_reason": None})
     async with aclosing(merge(opened)) as items:
         async for job, c in items:
             if isinstance(c, Exception):
@@ -172,16 +192,59 @@ def _prompt_text(s: GatewayState, prompt: Any) -> str:
     return s.tokenizer.decode(prompt) if s.tokenizer is not None else ""
 
 
-def _text_logprobs(s: GatewayState, lps: list[Logprob], offset: int) -> dict:
-    """The completions API's logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
-    tokens, offsets, pos = [], [], offset
-    for lp in lps:
-        t = s.token_text(lp.token_id)
-        tokens.append(t)
+def _text_logprobs(s: GatewayState, lps: list[Logprob | None], offset: int, ids: list[int] | None = None,
+                   n: int | None = None) -> dict:
+    """The completions API's logprobs: tokens, token_logprobs, top_logprobs, text_offset (each token's start,
+    counted from `offset` over the tokens' texts, as vLLM does). An entry without a logprob (a prompt's first
+    token) is null in token_logprobs and top_logprobs; its id comes from `ids` (the ids of every entry, when
+    given). `n` cuts the top lists (a prompt's may hold more than the completion's logprobs asked)."""
+    if ids is None:
+        ids = [lp.token_id for lp in lps]
+    tokens = [s.token_text(i) for i in ids]
+    offsets, pos = [], offset
+    for t in tokens:
         offsets.append(pos)
         pos += len(t)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{s.token_text(i): v for i, v in lp.top} for lp in lps], "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
+            "top_logprobs": [None if lp is None else {s.token_text(i): v for i, v in lp.top[:n]} for lp in lps],
+            "text_offset": offsets}
+
+
+def _echo_logprobs(s: GatewayState, first: StreamChunk, n: int) -> dict:
+    """The echoed prompt's part of a choice's logprobs, from the stream's first chunk (OpenAI's echo with
+    logprobs: the first prompt token has null logprobs); empty if the request ended before its first token."""
+    if first.prompt_logprobs is None or first.prompt_token_ids is None:
+        return _text_logprobs(s, [], 0)
+    return _text_logprobs(s, first.prompt_logprobs, 0, first.prompt_token_ids, n)
+
+
+def _end_offset(lp: dict) -> int:
+    """Where the text after these logprobs' tokens starts."""
+    return lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else 0
+
+
+def _extend(lp: dict, more: dict) -> None:
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        lp[key].extend(more[key])
+
+
+def _vllm_prompt_logprobs(s: GatewayState, first: StreamChunk, n: int) -> list | None:
+    """vLLM's prompt_logprobs, from the stream's first chunk: null for the first prompt token, then per token
+    {id: {"logprob", "rank", "decoded_token"}} for the token itself and the top n (ids as JSON keys are
+    strings). The top n's ranks are 1…n; the prompt token's is its place among them, or null when it is not one
+    of them (we do not know it). None if the request ended before its first token."""
+    if first.prompt_logprobs is None:
+        return None
+    out: list[dict | None] = [None]
+    for lp in first.prompt_logprobs[1:]:
+        tid = lp.token_id
+        top = lp.top[:n]
+        rank = next((r for r, (i, _) in enumerate(top, 1) if i == tid), None)
+        entry = {str(tid): {"logprob": lp.logprob, "rank": rank, "decoded_token": s.token_text(tid)}}
+        for r, (i, v) in enumerate(top, 1):
+            entry.setdefault(str(i), {"logprob": v, "rank": r, "decoded_token": s.token_text(i)})
+        out.append(entry)
+    return out
 
 
 def _chat_logprobs(s: GatewayState, lps: list[Logprob]) -> dict:

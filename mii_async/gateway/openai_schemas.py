@@ -40,6 +40,7 @@ class _Common(BaseModel):
     guided_json: Optional[Union[dict[str, Any], str]] = None
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
+    prompt_logprobs: Optional[int] = None     # each prompt token's logprob and the top n (not with stream)
 
 
 class CompletionRequest(_Common):

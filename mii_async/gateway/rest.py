@@ -5,9 +5,12 @@
     → [{"generated_text": …, "prompt_length": …, "generated_length": …, "finish_reason": …}]
 
 `prompts` is a string, or a list of strings, token-id lists or chat-message lists; every other key is a
-sampling parameter by mii_async's names (an unknown one is a 400 naming it). `"stream": true` answers with
-server-sent events — `{"index", "text", "token_ids", "finish_reason", "usage"}` per streamed step of each
-prompt — ending in `data: [DONE]`; an error in the middle is `data: {"error": …}`.
+sampling parameter by mii_async's names (an unknown one is a 400 naming it). With `logprobs` or
+`prompt_logprobs` asked, each answer also has them: `logprobs` one `{"token_id", "logprob", "top": [[id,
+logprob], …]}` per generated token, `prompt_logprobs` one per prompt token, null for the first. `"stream":
+true` answers with server-sent events — `{"index", "text", "token_ids", "finish_reason", "usage"}` per streamed
+step of each prompt, with `logprobs` when asked and `prompt_logprobs` on the first step's — ending in
+`data: [DONE]`; an error in the middle is `data: {"error": …}`.
 """
 from __future__ import annotations
 
@@ -88,9 +91,19 @@ async def _generate(s: GatewayState, request: Request, body: Any):
         if o.job.params.get("return_full_text") and isinstance(o.job.prompt, str):
             text = o.job.prompt + text
         u = last.usage
-        out.append({"generated_text": text, "prompt_length": u.prompt_tokens if u else 0,
-                    "generated_length": sum(len(c.token_ids) for c in cs), "finish_reason": last.finish_reason})
+        answer = {"generated_text": text, "prompt_length": u.prompt_tokens if u else 0,
+                  "generated_length": sum(len(c.token_ids) for c in cs), "finish_reason": last.finish_reason}
+        if o.job.params.get("logprobs") is not None:
+            answer["logprobs"] = [lp.to_dict() for c in cs for lp in c.logprobs or ()]
+        if o.job.params.get("prompt_logprobs") is not None:
+            plps = next((c.prompt_logprobs for c in cs if c.prompt_logprobs is not None), None)
+            answer["prompt_logprobs"] = _logprobs_json(plps)
+        out.append(answer)
     return out
+
+
+def _logprobs_json(lps: list | None) -> list | None:
+    return None if lps is None else [lp and lp.to_dict() for lp in lps]
 
 
 async def _events(opened: list[Opened]) -> AsyncIterator[str]:
@@ -102,6 +115,11 @@ async def _events(opened: list[Opened]) -> AsyncIterator[str]:
             if c.finish_reason == "error":
                 yield event(from_exception(GenerationError(c.error or "generation failed")).body())
                 continue
-            yield event({"index": job.index, "text": c.text, "token_ids": c.token_ids,
-                         "finish_reason": c.finish_reason, "usage": c.usage.to_dict() if c.usage else None})
+            ev = {"index": job.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                  "usage": c.usage.to_dict() if c.usage else None}
+            if c.logprobs:
+                ev["logprobs"] = _logprobs_json(c.logprobs)
+            if c.prompt_logprobs is not None:
+                ev["prompt_logprobs"] = _logprobs_json(c.prompt_logprobs)
+            yield event(ev)
     yield DONE

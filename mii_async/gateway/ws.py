@@ -1,7 +1,8 @@
 """WebSocket streaming at /v1/ws: many concurrent requests on one connection (docs/websocket.md).
 
     → {"type": "generate", "id": "a", "prompt": "…" | "messages": [...], "max_new_tokens": 64, …}
-    ← {"type": "token", "id": "a", "text": "…", "token_ids": [...]}        per streamed step
+    ← {"type": "token", "id": "a", "text": "…", "token_ids": [...]}        per streamed step (+ logprobs, and
+                                                                           prompt_logprobs on the first, when asked)
     ← {"type": "done", "id": "a", "finish_reason": "stop", "usage": {...}}
     → {"type": "cancel", "id": "a"}       ← {"type": "done", "id": "a", "finish_reason": "abort", …}
     ← {"type": "error", "id": "a" | null, "code": "…", "message": "…", "param": "…" | null}
@@ -199,5 +200,7 @@ class WsConnection:
 def _token_frame(req_id: Any, c: StreamChunk) -> dict:
     frame: dict[str, Any] = {"type": "token", "id": req_id, "text": c.text, "token_ids": c.token_ids}
     if c.logprobs:
-        frame["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} for lp in c.logprobs]
+        frame["logprobs"] = [lp.to_dict() for lp in c.logprobs]
+    if c.prompt_logprobs is not None:        # the first token's frame, when asked
+        frame["prompt_logprobs"] = [lp and lp.to_dict() for lp in c.prompt_logprobs]
     return frame

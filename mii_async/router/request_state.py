@@ -1,8 +1,9 @@
 """RequestState: one request's consumer side — engine events in, StreamChunks out, a Response at the end.
 
-Engine events are the sampled token (with optional logprobs and the engine's finish reason) or `Ended` (abort,
-error). Text goes through the IncrementalDetokenizer, so deltas are UTF-8 safe and stop strings end the
-request here: the owner must then abort it in the engine (`needs_abort`). Imports no torch.
+Engine events are the sampled token (with optional logprobs, the prompt's logprobs on the first one, and the
+engine's finish reason) or `Ended` (abort, error). Text goes through the IncrementalDetokenizer, so deltas are
+UTF-8 safe and stop strings end the request here: the owner must then abort it in the engine (`needs_abort`).
+The first chunk carries the prompt's ids. Imports no torch.
 """
 from __future__ import annotations
 
@@ -29,10 +30,12 @@ class RequestState:
                                              skip_special_tokens=params.skip_special_tokens)
         self.output_ids: list[int] = []
         self.logprobs: list[Logprob] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[Logprob | None] | None = None   # set by the first token's event, when asked
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.needs_abort = False          # set when a stop string ended the request before the engine did
         self.cached_tokens = 0
+        self._started = False             # a chunk went out (the first one carries the prompt's ids)
 
     @property
     def finished(self) -> bool:
@@ -53,6 +56,11 @@ class RequestState:
         if self.logprobs is not None and ev.logprobs is not None:
             lp = Logprob(tok, ev.logprobs.logprob, list(ev.logprobs.top))
             self.logprobs.append(lp)
+        plps = None
+        if self.params.prompt_logprobs is not None and ev.prompt_logprobs is not None and self.prompt_logprobs is None:
+            assert len(ev.prompt_logprobs) == len(self.prompt_ids), "prompt logprobs must be one per prompt token"
+            plps = self.prompt_logprobs = [None if e is None else Logprob(t, e.logprob, list(e.top))
+                                           for t, e in zip(self.prompt_ids, ev.prompt_logprobs)]
         delta = self._detok.push([tok])
         text = delta.text
         if delta.stopped:
@@ -61,11 +69,14 @@ class RequestState:
         elif ev.finish_reason is not None:
             text += self._detok.flush()
             self.finish_reason = ev.finish_reason
-        return self._chunk(text, [tok], [lp] if lp is not None else None)
+        return self._chunk(text, [tok], [lp] if lp is not None else None, plps)
 
-    def _chunk(self, text: str, ids: list[int], lps: list[Logprob] | None) -> StreamChunk:
+    def _chunk(self, text: str, ids: list[int], lps: list[Logprob] | None,
+               plps: list[Logprob | None] | None = None) -> StreamChunk:
         usage = self.usage() if self.finished else None
-        return StreamChunk(text, ids, lps, self.finish_reason, usage, self.error)
+        first, self._started = not self._started, True
+        return StreamChunk(text, ids, lps, self.finish_reason, usage, self.error, plps,
+                           list(self.prompt_ids) if first else None)
 
     def usage(self) -> Usage:
         return Usage(len(self.prompt_ids), len(self.output_ids), self.cached_tokens)
@@ -76,4 +87,5 @@ class RequestState:
         if self.params.return_full_text and self.prompt is not None:
             text = self.prompt + text
         return Response(text, len(self.prompt_ids), len(self.output_ids), self.finish_reason or "error",
-                        list(self.output_ids), list(self.prompt_ids), self.logprobs, self.usage(), self.error)
+                        list(self.output_ids), list(self.prompt_ids), self.logprobs, self.usage(), self.error,
+                        self.prompt_logprobs)

@@ -27,7 +27,8 @@ import zmq.asyncio
 
 from .. import protocol as P
 from ..config import EngineConfig, ServeConfig
-from ..errors import InvalidParameterError, MIIAsyncError, OverloadedError, UnavailableError, error_code
+from ..errors import (InvalidParameterError, MIIAsyncError, OverloadedError, RequestTooLongError, UnavailableError,
+                      error_code)
 from ..params import SamplingParams
 from ..transport import RouterSocket, start_authenticator
 from .balancer import Balancer, Candidate
@@ -50,7 +51,6 @@ class _Live:
     state: RequestState | None = None  # None while tokenizing
     replica: Replica | None = None
     cost: int = 0                     # prompt + max_new_tokens, counted against max_queued_tokens
-    sent_first: bool = False
 
 
 class Router:
@@ -227,6 +227,7 @@ class Router:
             if limits is None:
                 raise UnavailableError("no replica is ready")
             limits.check(ids, params)
+            check_prompt_logprobs_size(len(ids), params)
             cost = len(ids) + params.max_new_tokens
             if self.queued_tokens + cost > self.serve_cfg.max_queued_tokens:
                 raise OverloadedError(f"overloaded: {self.queued_tokens} tokens queued, this request adds {cost} "
@@ -317,13 +318,11 @@ class Router:
 
     def delta(self, live: _Live, chunk: Any) -> P.Delta:
         """The Delta that streams `chunk` to the request's client (the first one carries the prompt's ids)."""
-        lps = None if chunk.logprobs is None else [[lp.token_id, lp.logprob, [list(t) for t in lp.top]]
-                                                   for lp in chunk.logprobs]
-        first = not live.sent_first
-        live.sent_first = True
+        lps = None if chunk.logprobs is None else [_wire_logprob(lp) for lp in chunk.logprobs]
+        plps = None if chunk.prompt_logprobs is None else [lp and _wire_logprob(lp) for lp in chunk.prompt_logprobs]
         return P.Delta(live.creq, chunk.text, list(chunk.token_ids), lps, chunk.finish_reason,
                        chunk.usage.to_dict() if chunk.usage is not None else None, chunk.error,
-                       list(live.state.prompt_ids) if first else None)
+                       chunk.prompt_token_ids, plps)
 
     async def send_deltas(self, peer: bytes, deltas: list[P.Delta]) -> None:
         """One frame for a client: its Delta, or a DeltaBatch of several."""
@@ -351,6 +350,21 @@ class Router:
         if live.replica is not None:
             live.replica.requests.discard(live.rid)
             self.queued_tokens -= live.cost
+
+
+def _wire_logprob(lp: Any) -> list:
+    """A Logprob as a Delta carries it: [token_id, logprob, [[id, logprob], …]]."""
+    return [lp.token_id, lp.logprob, [list(t) for t in lp.top]]
+
+
+def check_prompt_logprobs_size(num_tokens: int, params: SamplingParams) -> None:
+    """A request's prompt logprobs travel in one message (with its first token): refuses those that cannot."""
+    n = params.prompt_logprobs
+    if n is not None and P.prompt_logprobs_bytes(num_tokens, n) > P.MAX_PROMPT_LOGPROBS_BYTES:
+        raise RequestTooLongError("prompt_logprobs", f"the logprobs of a prompt of {num_tokens} tokens with {n} "
+                                  f"alternatives each exceed the {P.MAX_PROMPT_LOGPROBS_BYTES >> 20} MiB that one "
+                                  "message carries: ask for fewer alternatives or give a shorter prompt")
+
 
 class _StartupError(Exception):
     def __init__(self, code: str, message: str) -> None:

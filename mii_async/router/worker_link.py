@@ -34,6 +34,9 @@ def _delta_bytes(d: P.Delta) -> int:
     """A Delta's frame size, roughly: 4 bytes a token id, the text, ~24 bytes a logprob entry, the rest."""
     ids = len(d.token_ids) + (len(d.prompt_ids) if d.prompt_ids is not None else 0)
     lps = sum(2 + len(x[2]) for x in d.logprobs) if d.logprobs else 0
+    plps = d.prompt_logprobs
+    if plps:
+        lps += sum(2 + len(x[2]) for x in plps[1:2]) * (len(plps) - 1)   # every entry has the request's n
     return 64 + 4 * ids + 4 * len(d.text) + 24 * lps
 
 
@@ -42,11 +45,26 @@ class _TokenEvent(NamedTuple):      # what RequestState.on_event reads from a sa
     logprobs: Any
     finish_reason: str | None
     cached_tokens: int
+    prompt_logprobs: list | None    # on the first token, when asked: per prompt token None or _Logprobs
 
 
 class _Logprobs(NamedTuple):
     logprob: float
     top: list
+
+
+def _prompt_logprobs(entries: Any, prompt_len: int) -> list[_Logprobs | None] | None:
+    """A StepTokens entry's prompt logprobs as RequestState reads them, or None when malformed: one entry per
+    prompt token, the first None, each other [logprob, [[id, logprob], …]]."""
+    if not isinstance(entries, list) or len(entries) != prompt_len or entries[0] is not None:
+        return None
+    out: list[_Logprobs | None] = [None]
+    try:
+        for lp, top in entries[1:]:
+            out.append(_Logprobs(float(lp), [(int(i), float(v)) for i, v in top]))
+    except (TypeError, ValueError):
+        return None
+    return out
 
 
 class WorkerLink:
@@ -122,7 +140,8 @@ class WorkerLink:
         r = self.router
         n = len(msg.req_ids)
         if not (len(msg.token_ids) == len(msg.finish_reasons) == len(msg.cached_tokens) == n) or (
-                msg.logprobs is not None and len(msg.logprobs) != n):
+                msg.logprobs is not None and len(msg.logprobs) != n) or (
+                msg.prompt_logprobs is not None and len(msg.prompt_logprobs) != n):
             log.warning("malformed StepTokens from %r", peer)
             return
         # A client's deltas of this step go out as one frame (DeltaBatch) after the step's tokens are read,
@@ -134,8 +153,13 @@ class WorkerLink:
                 if live is None or live.state is None or not self._from_replica(peer, live):
                     continue                          # aborted, or a late token of a dead generation
                 lp = msg.logprobs[i] if msg.logprobs is not None else None
+                plp = msg.prompt_logprobs[i] if msg.prompt_logprobs is not None else None
+                if plp is not None and (plp := _prompt_logprobs(plp, len(live.state.prompt_ids))) is None:
+                    log.warning("malformed prompt logprobs from %r for request %d", peer, rid)
+                    await r.end(live, Ended("error", "the replica sent malformed prompt logprobs"), tell_replica=True)
+                    continue
                 ev = _TokenEvent(msg.token_ids[i], _Logprobs(lp[0], [tuple(t) for t in lp[1]]) if lp else None,
-                                 msg.finish_reasons[i], msg.cached_tokens[i])
+                                 msg.finish_reasons[i], msg.cached_tokens[i], plp)
                 chunk = live.state.on_event(ev)
                 if chunk is not None:
                     d = r.delta(live, chunk)

@@ -180,3 +180,89 @@ def test_values_that_overflow_the_wire(oai, model, gateway_url):
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
     r = httpx.get(f"{gateway_url}/v1/nowhere", timeout=30)
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_completions_echo_with_logprobs(oai, model, deployment):
+    """echo with logprobs (OpenAI's prompt logprobs): the text is the prompt then the completion, and the
+    logprobs cover the prompt's tokens (the first with null logprob and top) then the completion's, with
+    offsets into that text; the values are the client API's prompt_logprobs and logprobs. Streamed, the first
+    chunk carries the prompt's part with the echoed text, and the chunks add up to the same."""
+    prompt = "The capital of France is"
+    [ref] = deployment([prompt], max_new_tokens=4, prompt_logprobs=2, logprobs=2)
+    n = ref.prompt_length
+    kw = dict(model=model, prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=2)
+    c = oai.completions.create(**kw).choices[0]
+    lp = c.logprobs
+    assert c.text == prompt + ref.generated_text and "".join(lp.tokens) == c.text
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [x.logprob for x in ref.prompt_logprobs[1:]] + [x.logprob for x in ref.logprobs]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(n + 4)]
+    chunks = [ch.choices[0] for ch in oai.completions.create(**kw, stream=True) if ch.choices]
+    assert chunks[0].text == prompt and len(chunks[0].logprobs.tokens) == n
+    parts = [ch.logprobs for ch in chunks if ch.logprobs is not None]
+    assert [t for p in parts for t in p.tokens] == lp.tokens
+    assert [o for p in parts for o in p.text_offset] == lp.text_offset
+    assert [v for p in parts for v in p.token_logprobs][1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+    assert "".join(ch.text for ch in chunks) == c.text
+
+
+def test_vllm_prompt_logprobs(model, deployment, gateway_url):
+    """vLLM's prompt_logprobs: per choice on completions, once per response on chat, null first, then for each
+    prompt token {id: {logprob, rank, decoded_token}} for the token and the top n; values as the client API's.
+    With stream, or out of [0, 20], it is a 400 naming prompt_logprobs; max_tokens 0 with echo (a prompt scored
+    without generating) is a 400 naming max_tokens."""
+    prompt = "The capital of France is"
+    [ref] = deployment([prompt], max_new_tokens=2, prompt_logprobs=2)
+    r = httpx.post(f"{gateway_url}/v1/completions", timeout=60,
+                   json={"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    plps = r.json()["choices"][0]["prompt_logprobs"]
+    assert len(plps) == ref.prompt_length and plps[0] is None
+    for got, want in zip(plps[1:], ref.prompt_logprobs[1:]):
+        mine = got[str(want.token_id)]
+        assert mine["logprob"] == pytest.approx(want.logprob, abs=1e-4) and mine["decoded_token"]
+        top_ids = [i for i, _ in want.top]
+        assert {int(k) for k in got} == set(top_ids) | {want.token_id}
+        assert [got[str(i)]["rank"] for i in top_ids] == [1, 2]
+        assert mine["rank"] == (top_ids.index(want.token_id) + 1 if want.token_id in top_ids else None)
+    r = httpx.post(f"{gateway_url}/v1/chat/completions", timeout=60,
+                   json={"model": model, "messages": QUESTION, "max_tokens": 2, "prompt_logprobs": 0, "n": 2,
+                         "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"] and body["prompt_logprobs"][0] is None
+    assert all(len(e) == 1 for e in body["prompt_logprobs"][1:]) and "prompt_logprobs" not in body["choices"][0]
+    for extra, param in (({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+                         ({"prompt_logprobs": 21}, "prompt_logprobs"),
+                         ({"echo": True, "logprobs": 1, "max_tokens": 0}, "max_tokens")):
+        r = httpx.post(f"{gateway_url}/v1/completions", json={"model": model, "prompt": prompt, **extra}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+
+
+def test_prompt_logprobs_map_to_sampling_params():
+    """The mapping alone (no server): echo with logprobs n asks prompt_logprobs n (vLLM's prompt_logprobs when
+    larger); prompt_logprobs alone passes through on both routes; max_tokens 0 with echo, prompt_logprobs with
+    stream and logprobs past 20 are refused naming what the caller sent."""
+    import asyncio
+
+    from mii_async.gateway.http_errors import HTTPError
+    from mii_async.gateway.openai_params import chat_jobs, completion_jobs
+    from mii_async.gateway.openai_schemas import ChatCompletionRequest, CompletionRequest
+
+    [job] = completion_jobs(CompletionRequest(prompt="x", echo=True, logprobs=2))
+    assert (job.params["logprobs"], job.params["prompt_logprobs"]) == (2, 2)
+    [job] = completion_jobs(CompletionRequest(prompt="x", echo=True, logprobs=2, prompt_logprobs=5))
+    assert job.params["prompt_logprobs"] == 5
+    [job] = completion_jobs(CompletionRequest(prompt="x", logprobs=2))
+    assert "prompt_logprobs" not in job.params
+    [job] = asyncio.run(chat_jobs(ChatCompletionRequest(messages=QUESTION, max_tokens=3, prompt_logprobs=0), None))
+    assert job.params["prompt_logprobs"] == 0
+    for body, param in ((CompletionRequest(prompt="x", echo=True, logprobs=1, max_tokens=0), "max_tokens"),
+                        (CompletionRequest(prompt="x", prompt_logprobs=1, stream=True), "prompt_logprobs"),
+                        (CompletionRequest(prompt="x", echo=True, logprobs=21), "logprobs")):
+        with pytest.raises(HTTPError) as e:
+            completion_jobs(body)
+        assert e.value.param == param, body

@@ -95,3 +95,25 @@ def test_client_disconnect_aborts_sse_and_plain_requests(gateway_url, deployment
 
 async def _running(client) -> bool:
     return (await client.stats())["running"] >= 1
+
+
+def test_logprobs_and_prompt_logprobs_in_the_mii_body(gateway_url, deployment):
+    """logprobs and prompt_logprobs asked in the body come back as the client API gives them: one
+    {token_id, logprob, top} per generated token, one per prompt token (null first); streamed, the first event
+    carries the prompt's."""
+    body = {"prompts": ["The capital of France is"], "max_new_tokens": 3, "logprobs": 1, "prompt_logprobs": 2}
+    r = httpx.post(f"{gateway_url}/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    [got] = r.json()
+    [want] = deployment(body["prompts"], max_new_tokens=3, logprobs=1, prompt_logprobs=2)
+    assert [x["token_id"] for x in got["logprobs"]] == want.token_ids and len(got["logprobs"][0]["top"]) == 1
+    plps = got["prompt_logprobs"]
+    assert len(plps) == got["prompt_length"] and plps[0] is None
+    for g, w in zip(plps[1:], want.prompt_logprobs[1:]):
+        assert g["token_id"] == w.token_id and abs(g["logprob"] - w.logprob) < 1e-4
+        assert [t[0] for t in g["top"]] == [t[0] for t in w.top]
+    with httpx.stream("POST", f"{gateway_url}/generate", json={**body, "stream": True}, timeout=60) as r:
+        events = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+    assert [x["token_id"] for x in events[0]["prompt_logprobs"][1:]] == want.prompt_token_ids[1:]
+    assert all("prompt_logprobs" not in e for e in events[1:])
+    assert [lp["token_id"] for e in events for lp in e["logprobs"]] == want.token_ids

@@ -232,3 +232,26 @@ def test_slow_reader_is_closed_not_buffered(start_gateway, deployment):
 async def _idle_or_gone(client) -> bool:
     s = await client.stats()
     return s["running"] == 0 and s["waiting"] == 0 and s["used_blocks"] == 0
+
+
+def test_prompt_logprobs_on_the_first_token_frame(gateway_url, deployment):
+    """prompt_logprobs asked in a generate frame come on its first token frame only, one per prompt token
+    ({token_id, logprob, top}, null first), as the client API gives them."""
+    prompt = "The capital of France is"
+
+    async def main():
+        async with connect(_ws(gateway_url)) as ws:
+            await ws.recv()                                                    # hello
+            await ws.send(json.dumps({"type": "generate", "id": 1, "prompt": prompt, "max_new_tokens": 3,
+                                      "prompt_logprobs": 1}))
+            return await _frames_until(ws, lambda f: f["type"] in ("done", "error"))
+
+    frames = asyncio.run(main())
+    tokens = [f for f in frames if f["type"] == "token"]
+    [want] = deployment([prompt], max_new_tokens=3, prompt_logprobs=1)
+    plps = tokens[0]["prompt_logprobs"]
+    assert len(plps) == want.prompt_length and plps[0] is None
+    assert [e["token_id"] for e in plps[1:]] == want.prompt_token_ids[1:]
+    for e, w in zip(plps[1:], want.prompt_logprobs[1:]):
+        assert abs(e["logprob"] - w.logprob) < 1e-4 and len(e["top"]) == 1
+    assert all("prompt_logprobs" not in f for f in tokens[1:]) and frames[-1]["type"] == "done"

@@ -1,0 +1,130 @@
+"""Prompt logprobs on the wire: a real router process with a scripted worker (a DEALER socket that joins as a
+remote replica) checks what the router accepts from a worker and what it refuses from a client."""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import pytest
+import zmq
+
+import mii_async
+from mii_async import protocol as P
+from mii_async.outputs import Logprob
+from tests.mesh_helpers import until, wait_gone, with_word_tokenizer
+
+LIMITS = {"vocab_size": 320, "max_model_len": 100_000, "max_request_tokens": 100_000, "num_blocks": 8,
+          "block_size": 16}
+
+
+class ScriptedWorker:
+    """Joins the router as replica -1 → its own remote replica, and answers requests as a test tells it."""
+
+    def __init__(self, address: str) -> None:
+        self.name = f"{socket.gethostname()}:{os.getpid()}:scripted"
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, self.name.encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self.send(P.Hello(self.name, -1, 0, os.getpid(), socket.gethostname()))
+        assign = self.recv(P.Assign)
+        self.send(P.Ready(assign.replica, 0, dict(LIMITS)))
+
+    def send(self, msg: P.Message) -> None:
+        self.sock.send(P.encode(msg))
+
+    def recv(self, kind: type, timeout_s: float = 30.0):
+        """The next message of `kind` (heartbeat echoes and the like are skipped)."""
+        while True:
+            assert self.sock.poll(int(timeout_s * 1000)), f"no {kind.__name__} from the router"
+            msg = P.decode(self.sock.recv())
+            if isinstance(msg, kind):
+                return msg
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctx.term()
+
+
+@pytest.fixture(scope="module")
+def router(tiny_model, tmp_path_factory):
+    """A router that starts no replica, and one scripted worker joined to it."""
+    path = with_word_tokenizer(tiny_model("llama"), tmp_path_factory.mktemp("wire") / "tiny")
+    client = mii_async.serve(str(path), replicas=0, tensor_parallel=1, heartbeat_timeout_s=300.0)
+    worker = ScriptedWorker(client.run(client.health())["worker_address"])
+
+    async def ready():
+        return [r["state"] for r in (await client.health())["replicas"]] == ["ready"]
+    client.run(until(ready, 30, "the scripted worker's replica"))
+    yield client, worker
+    client.terminate_server_sync(drain_s=0)
+    worker.close()
+    assert not wait_gone([client._process.pid]), "the router was left behind"
+
+
+def _ask(client, prompt, **params):
+    """Starts client.generate on its loop thread; the caller plays the worker, then reads .result()."""
+    return asyncio.run_coroutine_threadsafe(client.generate([prompt], **params), _loop(client))
+
+
+def _loop(client):
+    client.run(asyncio.sleep(0))          # starts the client's private loop thread
+    return client._sync_loop
+
+
+def test_prompt_logprobs_reach_the_client(router):
+    """A worker's prompt logprobs ([logprob, [[id, lp], …]] per prompt token, None first) arrive as Logprobs
+    with the prompt's token ids; a StepTokens whose prompt_logprobs list is not parallel to its requests is
+    dropped whole (the request's tokens are those of the next, valid one)."""
+    client, w = router
+    prompt = [1, 5, 9, 33]
+    fut = _ask(client, prompt, max_new_tokens=2, prompt_logprobs=2)
+    add = w.recv(P.AddRequest)
+    assert add.prompt_ids == prompt and add.params["prompt_logprobs"] == 2
+    plps = [None] + [[-1.0 - i, [[5, -0.5], [6, -1.5]]] for i in range(3)]
+    w.send(P.StepTokens([add.req_id], [7], [None], [0], None, [plps, None]))         # not parallel: dropped
+    w.send(P.StepTokens([add.req_id], [8], [None], [0], None, [plps]))
+    w.send(P.StepTokens([add.req_id], [9], ["length"], [0]))
+    [r] = fut.result(30)
+    assert r.token_ids == [8, 9]
+    assert r.prompt_logprobs == [None] + [Logprob(t, -1.0 - i, [(5, -0.5), (6, -1.5)])
+                                          for i, t in enumerate(prompt[1:])]
+
+
+@pytest.mark.parametrize("bad", [
+    [None, [-1.0, []]],                                # one entry short
+    [[-0.1, []], [-1.0, []], [-1.0, []], [-1.0, []]],  # the first token has a logprob
+    [None, [-1.0, []], [-1.0], [-1.0, []]],            # an entry without its top list
+    [None, [-1.0, []], [-1.0, [[5]]], [-1.0, []]],     # a top pair without its logprob
+    [None, [-1.0, []], "x", [-1.0, []]],
+])
+def test_malformed_prompt_logprobs_fail_the_request(router, bad):
+    """Prompt logprobs that do not match the request's prompt end it with finish_reason "error" (and an abort
+    to the replica) instead of reaching the client malformed."""
+    client, w = router
+    fut = _ask(client, [1, 5, 9, 33], max_new_tokens=2, prompt_logprobs=0)
+    add = w.recv(P.AddRequest)
+    w.send(P.StepTokens([add.req_id], [8], [None], [0], None, [bad]))
+    assert w.recv(P.AbortRequest).req_id == add.req_id
+    [r] = fut.result(30)
+    assert r.finish_reason == "error" and "malformed prompt logprobs" in r.error
+    assert r.prompt_logprobs is None
+
+
+def test_prompt_logprobs_too_big_for_a_frame_are_refused(router):
+    """A prompt whose logprobs could not travel in one frame (here 40,000 tokens × 20 alternatives) is refused
+    at once naming prompt_logprobs; with 1 alternative the same prompt is admitted."""
+    client, w = router
+    prompt = [1] + [5] * 39_999
+    with pytest.raises(mii_async.RequestTooLongError) as e:
+        _ask(client, prompt, max_new_tokens=1, prompt_logprobs=20).result(30)
+    assert e.value.param == "prompt_logprobs"
+    assert P.prompt_logprobs_bytes(len(prompt), 20) > P.MAX_PROMPT_LOGPROBS_BYTES
+    fut = _ask(client, prompt, max_new_tokens=1, prompt_logprobs=1)
+    add = w.recv(P.AddRequest)
+    plps = [None] + [[-2.0, [[5, -0.1]]]] * (len(prompt) - 1)
+    w.send(P.StepTokens([add.req_id], [5], ["length"], [0], None, [plps]))
+    [r] = fut.result(60)
+    assert len(r.prompt_logprobs) == len(prompt) and r.prompt_logprobs[-1] == Logprob(5, -2.0, [(5, -0.1)])

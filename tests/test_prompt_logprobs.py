@@ -1,0 +1,93 @@
+"""Prompt logprobs end to end on a tiny random model: through the real client, router and worker process, and
+through the local pipeline, each prompt token's logprob and top n equal transformers' log-softmax of the prompt
+logits on the same weights (fp32), in `generate` and in the first chunk of `stream`."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+import mii_async
+from tests.mesh_helpers import deployment_pids, wait_gone, with_word_tokenizer
+
+TOP = 3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model, tmp_path_factory):
+    return with_word_tokenizer(tiny_model("llama"), tmp_path_factory.mktemp("plp") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(11)
+    return [[1] + [rng.randrange(3, 320) for _ in range(n)] for n in (0, 1, 12, 37)]
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir, prompts):
+    """transformers' own log-softmax of each prompt's logits: (logprob of token i given the ones before, the
+    top TOP (ids, logprobs) there) for i ≥ 1."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            lp = torch.log_softmax(model(torch.tensor([p])).logits[0].float(), -1)    # [P, V]
+            out.append([None] + [(lp[i - 1, p[i]].item(), torch.topk(lp[i - 1], TOP)) for i in range(1, len(p))])
+    return out
+
+
+def _check(got, want, prompt):
+    assert got is not None and len(got) == len(prompt) and got[0] is None
+    for i in range(1, len(prompt)):
+        own, top = want[i]
+        assert got[i].token_id == prompt[i]
+        assert got[i].logprob == pytest.approx(own, rel=1e-4, abs=1e-5), i
+        assert [t for t, _ in got[i].top] == top.indices.tolist(), i
+        assert [v for _, v in got[i].top] == pytest.approx(top.values.tolist(), rel=1e-4, abs=1e-5), i
+
+
+def test_prompt_logprobs_through_the_mesh(model_dir, prompts, expected):
+    """client.generate(…, prompt_logprobs=3) through a router and a worker process gives transformers'
+    prompt logprobs, with sampled logprobs beside them; a stream carries them (and the prompt's ids) on its
+    first chunk only; without prompt_logprobs the field is None and the tokens are the same."""
+    client = mii_async.serve(str(model_dir), num_blocks=64)
+    pids = [client._process.pid]
+    try:
+        async def main():
+            pids.extend(deployment_pids(await client.health()))
+            got = await client.generate(prompts, max_new_tokens=4, ignore_eos=True, prompt_logprobs=TOP, logprobs=1)
+            plain = await client.generate(prompts, max_new_tokens=4, ignore_eos=True)
+            chunks = [c async for c in client.stream(prompts[-1], max_new_tokens=3, ignore_eos=True,
+                                                     prompt_logprobs=TOP)]
+            return got, plain, chunks
+        got, plain, chunks = asyncio.run(main())
+    finally:
+        client.terminate_server_sync(drain_s=0)
+    assert not wait_gone(pids), "processes left behind"
+    for r, p, want, q in zip(got, plain, expected, prompts):
+        _check(r.prompt_logprobs, want, q)
+        assert r.token_ids == p.token_ids and len(r.logprobs) == 4 and p.prompt_logprobs is None
+        assert r.usage.cached_tokens == 0
+    _check(chunks[0].prompt_logprobs, expected[-1], prompts[-1])
+    assert chunks[0].prompt_token_ids == prompts[-1]
+    assert all(c.prompt_logprobs is None and c.prompt_token_ids is None for c in chunks[1:])
+
+
+def test_prompt_logprobs_in_the_local_pipeline(model_dir, prompts, expected):
+    """The in-process pipeline gives the same prompt logprobs, in its Responses and its stream's first chunk."""
+    with mii_async.pipeline(str(model_dir), num_blocks=64) as pipe:
+        got = pipe(prompts, max_new_tokens=2, ignore_eos=True, prompt_logprobs=TOP)
+
+        async def stream():
+            return [c async for c in pipe.stream(prompts[2], max_new_tokens=3, ignore_eos=True,
+                                                 prompt_logprobs=TOP)]
+        chunks = asyncio.run(stream())
+    for r, want, q in zip(got, expected, prompts):
+        _check(r.prompt_logprobs, want, q)
+    _check(chunks[0].prompt_logprobs, expected[2], prompts[2])
+    assert chunks[0].prompt_token_ids == prompts[2] and all(c.prompt_logprobs is None for c in chunks[1:])

@@ -1,0 +1,51 @@
+"""What a worker sends for a step's outputs: StepTokens on a real socket, prompt logprobs encoded as the
+router reads them, and a step with large prompt logprobs cut into several frames."""
+from __future__ import annotations
+
+import zmq
+
+from mii_async import protocol as P
+from mii_async.workers import worker as worker_mod
+from mii_async.workers.engine import EngineOutput
+from mii_async.workers.sampler import TokenLogprobs
+
+
+def _plps(n_tokens: int, n: int) -> list:
+    return [None] + [TokenLogprobs(-1.0 - i, [(j, -0.5 * (j + 1)) for j in range(n)]) for i in range(n_tokens - 1)]
+
+
+def test_a_step_with_large_prompt_logprobs_is_cut_into_frames(monkeypatch):
+    """Outputs go out in order; one output's prompt logprobs ([logprob, [[id, lp], …]], None first) are never
+    split; a frame takes more outputs only while its prompt logprobs stay under STEP_FRAME_BYTES; a step
+    without prompt logprobs is one frame without the field."""
+    monkeypatch.setattr(worker_mod, "STEP_FRAME_BYTES", 10_000)
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    w = worker_mod.Worker(f"tcp://127.0.0.1:{port}")
+    try:
+        assert P.prompt_logprobs_bytes(100, 2) == 5_200
+        a, c, d = _plps(100, 2), _plps(100, 2), _plps(100, 2)
+        outs = [EngineOutput(1, 11, None, None, 0, a), EngineOutput(2, 12, None, None, 0),
+                EngineOutput(3, 13, None, "length", 0, c), EngineOutput(4, 14, None, None, 0, d)]
+        w._send_tokens(outs)
+        frames = []
+        for _ in range(3):
+            assert router.poll(5000), "a StepTokens is missing"
+            frames.append(P.decode(router.recv_multipart()[1]))
+        assert not router.poll(200)
+        assert [f.req_ids for f in frames] == [[1, 2], [3], [4]]
+        assert [t for f in frames for t in f.token_ids] == [11, 12, 13, 14]
+        assert frames[0].prompt_logprobs[1] is None and frames[1].finish_reasons == ["length"]
+        sent = frames[0].prompt_logprobs[0]
+        assert len(sent) == 100 and sent[0] is None and sent[5] == [-5.0, [[0, -0.5], [1, -1.0]]]
+        w._send_tokens([EngineOutput(5, 15, None, None, 0)])
+        assert router.poll(5000)
+        plain = P.decode(router.recv_multipart()[1])
+        assert plain.req_ids == [5] and plain.prompt_logprobs is None and plain.logprobs is None
+    finally:
+        w.sock.close()
+        w.ctx.term()
+        router.close()
+        ctx.term()
