@@ -25,7 +25,7 @@ PROTOCOL_VERSION = 3                  # 2: DeltaBatch, StatsQuery.reset_prefix_c
 MAX_FRAME_BYTES = 16 * 2**20          # also the sockets' ZMQ_MAXMSGSIZE
 MAX_ITEMS = 1 << 20                    # longest msgpack array or map, and bin length in ids
 MAX_BATCH_DELTAS = 1 << 14             # Deltas in one DeltaBatch at most (each is checked and built on decode)
-MAX_PROMPT_LOGPROBS_BYTES = 12 * 2**20 # one request's prompt logprobs (with its prompt ids) in a frame at most,
+MAX_PROMPT_LOGPROBS_BYTES = 4 * 2**20  # one request's prompt logprobs (with its prompt ids) in a frame at most,
                                        # by prompt_logprobs_bytes: the router refuses a request that needs more
 
 _IDS = {"ids": True}                   # field metadata: a packed token-id array on the wire

@@ -124,9 +124,11 @@ class BlockManager:
         of full blocks, leaving at least one token to compute (its logits give the next token)."""
         assert not seq.block_table and seq.num_computed_tokens == 0, "match_prefix on a sequence with blocks"
         max_blocks = (seq.num_tokens - 1) // self.block_size
+        if seq.prompt_lps is not None:             # prompt logprobs: a position not scored yet needs its logits
+            max_blocks = min(max_blocks, seq.num_scored // self.block_size)
         self.query_tokens += seq.prompt_len
-        if not self.enable_prefix_caching or seq.prompt_lps is not None:   # prompt logprobs: every position's
-            return                                                        # logits are computed
+        if not self.enable_prefix_caching:
+            return
         parent: int | None = None
         for i in range(max_blocks):
             key = (parent, tuple(seq.token_ids(i * self.block_size, (i + 1) * self.block_size)))

@@ -1,8 +1,9 @@
 """MemoryPlan: on a GPU, how big the KV pool can be, measured rather than guessed.
 
 After the weights are loaded, one profiling step runs the worst step the scheduler can plan — `max_batch_tokens`
-tokens spread over up to `max_num_seqs` sequences, every sequence sampled with top-k and top-p — on a scratch KV
-cache, and the peak of torch's allocator over it is the activation memory a step needs. The pool gets the rest
+tokens spread over up to `max_num_seqs` sequences, every sequence sampled with top-k and top-p, as many prompt
+positions scored for prompt logprobs as a step may score — on a scratch KV cache, and the peak of torch's
+allocator over it is the activation memory a step needs. The pool gets the rest
 of `gpu_memory_utilization` × the device's memory, less memory used outside torch (the CUDA context, cuBLAS,
 other processes) and a reserve for the CUDA graphs captured afterwards (`graph_reserve`, measured once they are
 captured and reported next to it).
@@ -15,6 +16,8 @@ import torch
 
 from mii_async.params import SamplingParams
 
+from .prompt_logprobs import launch_scores
+from .scheduler import MAX_SCORED_ROWS
 from .step_plan import ScheduledSeq, StepPlan
 
 GIB = 2**30
@@ -59,15 +62,22 @@ def profile_step(model, sampler, num_layers: int, block_shape: tuple[int, int, i
     n_blocks = sum(blocks_per)
     scratch = [(torch.zeros((n_blocks, *block_shape), dtype=dtype, device=device),
                 torch.zeros((n_blocks, *block_shape), dtype=dtype, device=device)) for _ in range(num_layers)]
-    seqs, nxt = [], 0
+    seqs, nxt, scored = [], 0, 0
     for i, n in enumerate(lens):
         table = list(range(nxt, nxt + blocks_per[i]))
         nxt += blocks_per[i]
         seqs.append(ScheduledSeq(i, [1] * n, 0, table, True))
-    plan = StepPlan(seqs, num_decodes=sum(1 for n in lens if n == 1))
+        if (k := min(n - 1, MAX_SCORED_ROWS - scored)) > 0:      # prompt logprobs' rows, as many as a step
+            seqs[-1].score_to = k                                 # may score
+            scored += k
+    plan = StepPlan(seqs, num_decodes=sum(1 for n in lens if n == 1), num_scored=scored)
     logits = runner_cls(model, scratch, block_size, device).execute(plan)
-    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, repetition_penalty=1.1, logprobs=5)
-    sampler(logits, [Sequence(-1 - i, [1] * n, params) for i, n in enumerate(lens)])
+    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, repetition_penalty=1.1, logprobs=5,
+                            prompt_logprobs=20)
+    requests = [Sequence(-1 - i, [1] * n, params) for i, n in enumerate(lens)]
+    if scored:
+        launch_scores(plan, requests, logits[len(lens):])
+    sampler(logits[:len(lens)], requests)
     for i in range(len(lens)):
         sampler.release(-1 - i)
     scratch_bytes = sum(k.nbytes + v.nbytes for k, v in scratch)

@@ -1,4 +1,5 @@
-"""Runner: StepPlan → input tensors → forward → logits of the sampled rows. Makes no scheduling decision.
+"""Runner: StepPlan → input tensors → forward → logits of the sampled rows (then of the rows scored for prompt
+logprobs). Makes no scheduling decision.
 
 The step's inputs are built on the host with a few numpy calls over the whole batch (not per-sequence tensor
 ops), packed into one int64 buffer and moved to the device with one copy: at 256 sequences a step's host

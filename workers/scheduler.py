@@ -125,10 +125,10 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if seq.scoring:
-                n = min(n, score_left)
+                n, used = _cap_scored(seq, n, score_left)
                 if n == 0:
                     continue
-                score_left -= n
+                score_left -= used
             while bm.blocks_needed(seq, n) > bm.num_free:
                 victim = self.running[-1]
                 if id(victim) in chosen:
@@ -148,9 +148,9 @@ class Scheduler:
             if not seq.block_table:
                 bm.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, bm.max_appendable(seq))
-            if seq.scoring:
-                n = min(n, score_left)
-                score_left -= max(n, 0)
+            if n > 0 and seq.scoring:
+                n, used = _cap_scored(seq, n, score_left)
+                score_left -= used
             if n <= 0:
                 bm.free(seq)                    # give back prefix hits; retry when blocks free up
                 seq.num_computed_tokens = seq.num_hashed_blocks = 0
@@ -241,3 +241,15 @@ class Scheduler:
                 self.commit(seq, n)
         self._scheduled = []
         return sampled
+
+
+def _cap_scored(seq: Sequence, n: int, score_left: int) -> tuple[int, int]:
+    """A chunk of `n` tokens of a sequence whose prompt positions are being scored, cut so that it scores at
+    most `score_left` positions (those from num_scored up to the prompt's last but one); returns the chunk's
+    length and the positions it scores. Positions scored before (a recompute after preemption) cost nothing."""
+    start = seq.num_computed_tokens
+    first = max(start, seq.num_scored)
+    used = min(start + n, len(seq.prompt_ids) - 1) - first
+    if used <= score_left:
+        return n, max(used, 0)
+    return first + score_left - start, score_left

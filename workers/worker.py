@@ -19,6 +19,7 @@ import socket
 import threading
 import time
 import uuid
+from operator import attrgetter
 from typing import Any
 
 import zmq
@@ -189,29 +190,33 @@ class Worker:
         # Prompt logprobs come once per request (with its first token) and may be megabytes: a step whose
         # outputs carry them goes out in several StepTokens, each under STEP_FRAME_BYTES (the router refuses a
         # request whose own would not fit a frame).
-        if all(o.prompt_logprobs is None for o in outputs):
-            self._send_step(outputs)
+        if not any(map(_prompt_lps, outputs)):        # the usual step: one pass in C
+            self._send_step(outputs, False)
             return
         group: list = []
         size = 0
         for o in outputs:
             add = _prompt_logprobs_bytes(o.prompt_logprobs)
             if group and size + add > STEP_FRAME_BYTES:
-                self._send_step(group)
+                self._send_step(group, True)
                 group, size = [], 0
             group.append(o)
             size += add
-        self._send_step(group)
+        self._send_step(group, True)
 
-    def _send_step(self, outputs: list) -> None:
+    def _send_step(self, outputs: list, prompt_lps: bool) -> None:
         lps = [None if o.logprobs is None else [o.logprobs.logprob, [list(t) for t in o.logprobs.top]]
                for o in outputs]
-        plps = [None if o.prompt_logprobs is None else [None if e is None else [e.logprob, [list(t) for t in e.top]]
-                                                        for e in o.prompt_logprobs] for o in outputs]
+        plps = None
+        if prompt_lps:
+            plps = [None if o.prompt_logprobs is None else
+                    [None if e is None else [e.logprob, [list(t) for t in e.top]] for e in o.prompt_logprobs]
+                    for o in outputs]
+            if all(p is None for p in plps):
+                plps = None
         self.sock.send(P.StepTokens([o.req_id for o in outputs], [o.token_id for o in outputs],
                                     [o.finish_reason for o in outputs], [o.cached_tokens for o in outputs],
-                                    lps if any(lp is not None for lp in lps) else None,
-                                    plps if any(p is not None for p in plps) else None))
+                                    lps if any(lp is not None for lp in lps) else None, plps))
 
     # -- heartbeat thread ----------------------------------------------------------------------------
     def _heartbeats(self, assign: P.Assign) -> None:
@@ -230,6 +235,9 @@ class Worker:
                     os._exit(3)
         finally:
             hb.close()
+
+
+_prompt_lps = attrgetter("prompt_logprobs")     # a non-empty list when set
 
 
 def _prompt_logprobs_bytes(plps: list | None) -> int:

@@ -10,10 +10,12 @@ dropped.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import protocol as P
+from ..params import MAX_TOKEN_ID
 from .request_state import Ended
 
 if TYPE_CHECKING:
@@ -53,17 +55,37 @@ class _Logprobs(NamedTuple):
     top: list
 
 
-def _prompt_logprobs(entries: Any, prompt_len: int) -> list[_Logprobs | None] | None:
+def _logprob_entry(x: Any, n: int) -> _Logprobs | None:
+    """A logprob entry from a worker, [logprob, [[id, logprob], …]] with at most `n` alternatives, or None when
+    malformed: finite floats (JSON carries no inf or nan), ids that are token ids."""
+    try:
+        lp, top = x
+        if not _finite(lp) or not isinstance(top, (list, tuple)) or len(top) > n:
+            return None
+        out = []
+        for i, v in top:
+            if type(i) is not int or not 0 <= i <= MAX_TOKEN_ID or not _finite(v):
+                return None
+            out.append((i, float(v)))
+    except (TypeError, ValueError):
+        return None
+    return _Logprobs(float(lp), out)
+
+
+def _finite(v: Any) -> bool:
+    return type(v) in (int, float) and math.isfinite(v)
+
+
+def _prompt_logprobs(entries: Any, prompt_len: int, n: int) -> list[_Logprobs | None] | None:
     """A StepTokens entry's prompt logprobs as RequestState reads them, or None when malformed: one entry per
-    prompt token, the first None, each other [logprob, [[id, logprob], …]]."""
+    prompt token, the first None, each other [logprob, [[id, logprob], …]] with at most `n` alternatives."""
     if not isinstance(entries, list) or len(entries) != prompt_len or entries[0] is not None:
         return None
     out: list[_Logprobs | None] = [None]
-    try:
-        for lp, top in entries[1:]:
-            out.append(_Logprobs(float(lp), [(int(i), float(v)) for i, v in top]))
-    except (TypeError, ValueError):
-        return None
+    for x in entries[1:]:
+        if (e := _logprob_entry(x, n)) is None:
+            return None
+        out.append(e)
     return out
 
 
@@ -154,14 +176,21 @@ class WorkerLink:
                     continue                          # aborted, or a late token of a dead generation
                 lp = msg.logprobs[i] if msg.logprobs is not None else None
                 plp = msg.prompt_logprobs[i] if msg.prompt_logprobs is not None else None
-                if plp is not None and (plp := _prompt_logprobs(plp, len(live.state.prompt_ids))) is None:
-                    log.warning("malformed prompt logprobs from %r for request %d", peer, rid)
-                    await r.end(live, Ended("error", "the replica sent malformed prompt logprobs"), tell_replica=True)
+                params = live.state.params
+                if (lp is not None and (lp := _logprob_entry(lp, params.logprobs or 0)) is None) or (
+                        plp is not None and (plp := _prompt_logprobs(plp, len(live.state.prompt_ids),
+                                                                     params.prompt_logprobs or 0)) is None):
+                    log.warning("malformed logprobs from %r for request %d", peer, rid)
+                    await r.end(live, Ended("error", "the replica sent malformed logprobs"), tell_replica=True)
                     continue
-                ev = _TokenEvent(msg.token_ids[i], _Logprobs(lp[0], [tuple(t) for t in lp[1]]) if lp else None,
-                                 msg.finish_reasons[i], msg.cached_tokens[i], plp)
+                ev = _TokenEvent(msg.token_ids[i], lp, msg.finish_reasons[i], msg.cached_tokens[i], plp)
                 chunk = live.state.on_event(ev)
-                if chunk is not None:
+                if chunk is not None and chunk.prompt_logprobs is not None:
+                    # up to MAX_PROMPT_LOGPROBS_BYTES: a frame of its own, after the client's deltas so far
+                    if (queued := batches.pop(live.peer, None)) is not None:
+                        await r.send_deltas(live.peer, queued[0])
+                    await r.send_deltas(live.peer, [r.delta(live, chunk)])
+                elif chunk is not None:
                     d = r.delta(live, chunk)
                     deltas, size = batches.setdefault(live.peer, ([], [0]))
                     deltas.append(d)

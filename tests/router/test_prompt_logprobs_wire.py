@@ -99,18 +99,42 @@ def test_prompt_logprobs_reach_the_client(router):
     [None, [-1.0, []], [-1.0], [-1.0, []]],            # an entry without its top list
     [None, [-1.0, []], [-1.0, [[5]]], [-1.0, []]],     # a top pair without its logprob
     [None, [-1.0, []], "x", [-1.0, []]],
+    [None, [-1.0, []], [-1.0, [[float("inf"), -0.5]]], [-1.0, []]],   # an id int() overflows on
+    [None, [-1.0, []], [-1.0, [[5.0, -0.5]]], [-1.0, []]],            # an id that is a float
+    [None, [-1.0, []], [-1.0, [[-3, -0.5]]], [-1.0, []]],             # a negative id
+    [None, [-1.0, []], [float("nan"), []], [-1.0, []]],              # JSON carries no nan
+    [None, [-1.0, []], ["-inf", []], [-1.0, []]],                    # nor a string for a number
+    [None, [-1.0, []], [-1.0, [[5, -0.5], [6, -1.0]]], [-1.0, []]],   # more alternatives than the 1 asked
 ])
 def test_malformed_prompt_logprobs_fail_the_request(router, bad):
-    """Prompt logprobs that do not match the request's prompt end it with finish_reason "error" (and an abort
-    to the replica) instead of reaching the client malformed."""
+    """Prompt logprobs that do not match the request (its prompt, the alternatives it asked for, finite
+    numbers, token ids) end it with finish_reason "error" (and an abort to the replica) instead of reaching
+    the client malformed; a request beside it in the same StepTokens gets its token."""
     client, w = router
-    fut = _ask(client, [1, 5, 9, 33], max_new_tokens=2, prompt_logprobs=0)
+    fut = _ask(client, [1, 5, 9, 33], max_new_tokens=2, prompt_logprobs=1)
     add = w.recv(P.AddRequest)
-    w.send(P.StepTokens([add.req_id], [8], [None], [0], None, [bad]))
+    other = _ask(client, [1, 5], max_new_tokens=1, logprobs=1)
+    add2 = w.recv(P.AddRequest)
+    w.send(P.StepTokens([add.req_id, add2.req_id], [8, 9], [None, "length"], [0, 0],
+                        [None, [-0.25, [[9, -0.25]]]], [bad, None]))
     assert w.recv(P.AbortRequest).req_id == add.req_id
     [r] = fut.result(30)
-    assert r.finish_reason == "error" and "malformed prompt logprobs" in r.error
+    assert r.finish_reason == "error" and "malformed logprobs" in r.error
     assert r.prompt_logprobs is None
+    [r2] = other.result(30)
+    assert r2.token_ids == [9] and r2.logprobs == [Logprob(9, -0.25, [(9, -0.25)])]
+
+
+@pytest.mark.parametrize("bad", [[float("inf"), []], [-1.0, [[9, -0.5], [8, -1.0]]], [-1.0, [[-1, -0.5]]]])
+def test_malformed_sampled_logprobs_fail_the_request(router, bad):
+    """The sampled token's logprobs are checked the same way (finite, at most n alternatives, token ids)."""
+    client, w = router
+    fut = _ask(client, [1, 5], max_new_tokens=2, logprobs=1)
+    add = w.recv(P.AddRequest)
+    w.send(P.StepTokens([add.req_id], [8], [None], [0], [bad]))
+    assert w.recv(P.AbortRequest).req_id == add.req_id
+    [r] = fut.result(30)
+    assert r.finish_reason == "error" and "malformed logprobs" in r.error
 
 
 def test_prompt_logprobs_too_big_for_a_frame_are_refused(router):

@@ -139,3 +139,24 @@ def test_prompt_logprobs_on_cuda(tiny_model, prompts, expected, kernels):
     got = _run(engine, prompts)
     for (_, plp), want, p in zip(got, expected["llama"], prompts):
         _check(plp, want, p)
+
+
+def test_the_cap_charges_only_positions_still_to_score():
+    """A recompute after preemption scores nothing twice, so the positions scored before cost nothing of the
+    step's cap; and a prefix-cache hit may cover them, not the positions still to score."""
+    from mii_async.workers.block_manager import BlockManager
+    from mii_async.workers.scheduler import _cap_scored
+    from mii_async.workers.sequence import Sequence
+
+    seq = Sequence(1, list(range(3, 43)), SamplingParams(max_new_tokens=1, prompt_logprobs=0))
+    seq.num_scored = 20                                  # positions 0..19 scored before a preemption
+    assert _cap_scored(seq, 40, 5) == (25, 5)            # 20 recomputed for free, then 5 scored
+    assert _cap_scored(seq, 10, 0) == (10, 0)
+    assert _cap_scored(seq, 40, 100) == (40, 19)         # up to the prompt's last but one
+    bm = BlockManager(16, 8)
+    donor = Sequence(2, list(range(3, 43)), SamplingParams(max_new_tokens=1))
+    bm.append(donor, 40)
+    donor.num_computed_tokens = 40
+    bm.register_full_blocks(donor)
+    bm.match_prefix(seq)
+    assert seq.num_computed_tokens == 16                 # 2 blocks: 16 ≤ 20 scored positions
