@@ -141,13 +141,14 @@ class Pipeline:
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise InvalidParameterError("prompts", "must be a non-empty list of prompts")
-        return [self._prepare(p, sp) for p in prompts]
+        return [self._prepare(p, sp, keep_logprobs=True) for p in prompts]     # for their Responses
 
-    def _prepare(self, prompt: Prompt, params: SamplingParams) -> RequestState:
-        """Tokenizes a text, a list of token ids or chat messages; validation errors name `prompt`."""
+    def _prepare(self, prompt: Prompt, params: SamplingParams, keep_logprobs: bool = False) -> RequestState:
+        """Tokenizes a text, a list of token ids or chat messages; validation errors name `prompt`.
+        `keep_logprobs`: the state gathers the logprobs for response() (a stream's chunks carry them alone)."""
         text, ids = self._encoder.encode(prompt)
         self._engine.engine.check_request(ids, params)
-        return RequestState(self.tokenizer, text, ids, params)
+        return RequestState(self.tokenizer, text, ids, params, keep_logprobs=keep_logprobs)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         return self._encoder.apply_chat_template(messages)

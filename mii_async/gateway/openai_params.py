@@ -41,10 +41,13 @@ def _common(body: _Common) -> dict[str, Any]:
     for name in GUIDED_FIELDS:
         if (v := getattr(body, name)) is not None:
             p[name] = v
-    if body.prompt_logprobs is not None:
+    if (v := body.prompt_logprobs) is not None:
         if body.stream:        # as vLLM: a chunk has no place for them
             raise bad_request("prompt_logprobs", "prompt_logprobs is not available with stream: true")
-        p["prompt_logprobs"] = body.prompt_logprobs
+        # checked here, as the caller sent it: completions' echo may raise it to logprobs afterwards
+        if not 0 <= v <= MAX_LOGPROBS:
+            raise bad_request("prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {v}")
+        p["prompt_logprobs"] = v
     return p
 
 
@@ -92,6 +95,12 @@ def _jobs(prompts: list[Any], params: dict[str, Any], n: int) -> list[Job]:
             p = dict(params)
             if n > 1 and p.get("seed") is not None:
                 p["seed"] = p["seed"] + j          # distinct yet reproducible choices
+            if j > 0:
+                # Only a prompt's first choice asks for its prompt logprobs: such a request is computed whole
+                # (no prefix-cache hits) and carries a large list; the other choices reuse the first one's
+                # (openai_routes._PromptParts), streamed too: open_streams has every choice's first chunk before
+                # anything is answered.
+                p.pop("prompt_logprobs", None)
             jobs.append(Job(i * n + j, i, prompt, p))
     return jobs
 
@@ -103,7 +112,9 @@ def completion_jobs(body: CompletionRequest) -> list[Job]:
     if body.best_of is not None and body.best_of != n:
         raise bad_request("best_of", "best_of other than n is not supported")
     if body.echo and body.max_tokens == 0:
-        # What lm-eval-harness asks to score a prompt; the engine samples at least one token per request.
+        # Older clients score a prompt this way; the engine samples at least one token per request. Current
+        # lm-eval-harness (local-completions) sends echo, logprobs 1 and max_tokens 1, and slices off the last
+        # token: that works.
         raise bad_request("max_tokens", "max_tokens 0 (echo the prompt without generating) is not supported: "
                           "ask for max_tokens 1 and leave out the last token of the answer")
     prompt = body.prompt

@@ -8,7 +8,9 @@ sent as `data: {"error": …}`, then `[DONE]`. A client that disconnects aborts 
 Prompt logprobs, two ways: completions' `echo` with `logprobs: n` (OpenAI's) puts the echoed prompt's tokens
 first in the choice's logprobs, the first one's logprob and top null (streamed: in the first chunk, with the
 echoed text); vLLM's `prompt_logprobs: n` (either route, not streamed) adds vLLM's `prompt_logprobs` list —
-per choice on completions, once for the response on chat.
+per choice on completions, once for the response on chat. Of the n choices of a prompt only the first asks the
+engine for them (such a request skips the prefix cache); every choice's answer shows that one result, rendered
+once per prompt (_PromptParts).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from contextlib import aclosing
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 
 from ..errors import GenerationError, MIIAsyncError
 from ..outputs import Logprob, StreamChunk
@@ -83,6 +86,7 @@ async def _answer(s: GatewayState, request: Request, api: str, jobs: list[Job], 
         raise from_exception(exc, RENAME, counted=True) from None
     choices, usage = [], _Usage()
     answer: dict[str, Any] = {}
+    parts = _PromptParts(s, opened)
     for o in opened:
         cs = chunks[o.job.index]
         last = cs[-1]
@@ -92,29 +96,31 @@ async def _answer(s: GatewayState, request: Request, api: str, jobs: list[Job], 
         text = "".join(c.text for c in cs)
         lps = [lp for c in cs for lp in (c.logprobs or [])]
         want_lp = o.job.params.get("logprobs") is not None
-        first = o.first
         if chat:
             choices.append({"index": o.job.index, "message": {"role": "assistant", "content": text},
                             "logprobs": _chat_logprobs(s, lps) if want_lp else None,
                             "finish_reason": last.finish_reason})
             if body.prompt_logprobs is not None and answer.get("prompt_logprobs") is None:
                 # vLLM's place: once for the response, whose choices share the prompt
-                answer["prompt_logprobs"] = _vllm_prompt_logprobs(s, first, body.prompt_logprobs)
+                answer["prompt_logprobs"] = parts.vllm(o.job, body.prompt_logprobs)
         else:
             logprobs = None
             if body.echo:
-                text = _prompt_text(s, o.job.prompt) + text
+                text = parts.text(o.job) + text
                 if want_lp:
-                    logprobs = _echo_logprobs(s, first, body.logprobs)
+                    logprobs = {k: list(v) for k, v in parts.echo(o.job, body.logprobs).items()}  # extended below
                     _extend(logprobs, _text_logprobs(s, lps, _end_offset(logprobs)))
             elif want_lp:
                 logprobs = _text_logprobs(s, lps, 0)
             choice = {"index": o.job.index, "text": text, "logprobs": logprobs, "finish_reason": last.finish_reason}
-            if body.prompt_logprobs is not None:        # vLLM's place: per choice
-                choice["prompt_logprobs"] = _vllm_prompt_logprobs(s, first, body.prompt_logprobs)
+            if body.prompt_logprobs is not None:        # vLLM's place: per choice (the prompt's one list, shared)
+                choice["prompt_logprobs"] = parts.vllm(o.job, body.prompt_logprobs)
             choices.append(choice)
-    return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
-            "usage": usage.body(), "system_fingerprint": None, **answer}
+    # A Response, not a dict: FastAPI would walk a returned dict with jsonable_encoder first, which took 6.7 s
+    # for one choice with a 39k-token prompt's logprobs at n = 20 (json.dumps alone: 1.6 s). The body is plain
+    # JSON types already.
+    return JSONResponse({**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
+                         "usage": usage.body(), "system_fingerprint": None, **answer})
 
 
 async def _events(s: GatewayState, opened: list[Opened], meta: dict, chat: bool, include_usage: bool,
@@ -132,9 +138,10 @@ async def _events(s: GatewayState, opened: list[Opened], meta: dict, chat: bool,
             yield chunk({"index": o.job.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None})
     elif echo:
-        for o in opened:           # the prompt, with its logprobs when asked: the first chunk has them already
-            text = _prompt_text(s, o.job.prompt)
-            lp = _echo_logprobs(s, o.first, echo_logprobs) if echo_logprobs is not None else None
+        parts = _PromptParts(s, opened)
+        for o in opened:           # the prompt, with its logprobs when asked: the first chunks have them already
+            text = parts.text(o.job)
+            lp = parts.echo(o.job, echo_logprobs) if echo_logprobs is not None else None
             offsets[o.job.index] = _end_offset(lp) if lp is not None else len(text)
             yield chunk({"index": o.job.index, "text": text, "logprobs": lp, "finish_reason": None})
     async with aclosing(merge(opened)) as items:
@@ -186,6 +193,38 @@ class _Usage:
                 "prompt_tokens_details": {"cached_tokens": self.cached}}
 
 
+class _PromptParts:
+    """What the choices of one prompt share, rendered once per prompt: its echoed text and its logprobs, in
+    OpenAI's shape (echo) and in vLLM's (prompt_logprobs). The logprobs come from the first chunk of the
+    prompt's choice that asked for them (only its first one does: openai_params._jobs); the answers share the
+    returned objects, so a caller that changes one copies it first."""
+
+    def __init__(self, s: GatewayState, opened: list[Opened]) -> None:
+        self.s = s
+        self.firsts: dict[int, StreamChunk] = {}
+        for o in opened:
+            if "prompt_logprobs" in o.job.params:
+                self.firsts.setdefault(o.job.prompt_index, o.first)
+        self._done: dict[tuple, Any] = {}
+
+    def _once(self, key: tuple, make: Any) -> Any:
+        if key not in self._done:
+            self._done[key] = make()
+        return self._done[key]
+
+    def _first(self, job: Job) -> StreamChunk | None:
+        return self.firsts.get(job.prompt_index)
+
+    def text(self, job: Job) -> str:
+        return self._once(("text", job.prompt_index), lambda: _prompt_text(self.s, job.prompt))
+
+    def echo(self, job: Job, n: int) -> dict:
+        return self._once(("echo", job.prompt_index, n), lambda: _echo_logprobs(self.s, self._first(job), n))
+
+    def vllm(self, job: Job, n: int) -> list | None:
+        return self._once(("vllm", job.prompt_index, n), lambda: _vllm_prompt_logprobs(self.s, self._first(job), n))
+
+
 def _prompt_text(s: GatewayState, prompt: Any) -> str:
     if isinstance(prompt, str):
         return prompt
@@ -210,10 +249,10 @@ def _text_logprobs(s: GatewayState, lps: list[Logprob | None], offset: int, ids:
             "text_offset": offsets}
 
 
-def _echo_logprobs(s: GatewayState, first: StreamChunk, n: int) -> dict:
+def _echo_logprobs(s: GatewayState, first: StreamChunk | None, n: int) -> dict:
     """The echoed prompt's part of a choice's logprobs, from the stream's first chunk (OpenAI's echo with
     logprobs: the first prompt token has null logprobs); empty if the request ended before its first token."""
-    if first.prompt_logprobs is None or first.prompt_token_ids is None:
+    if first is None or first.prompt_logprobs is None or first.prompt_token_ids is None:
         return _text_logprobs(s, [], 0)
     return _text_logprobs(s, first.prompt_logprobs, 0, first.prompt_token_ids, n)
 
@@ -228,12 +267,12 @@ def _extend(lp: dict, more: dict) -> None:
         lp[key].extend(more[key])
 
 
-def _vllm_prompt_logprobs(s: GatewayState, first: StreamChunk, n: int) -> list | None:
+def _vllm_prompt_logprobs(s: GatewayState, first: StreamChunk | None, n: int) -> list | None:
     """vLLM's prompt_logprobs, from the stream's first chunk: null for the first prompt token, then per token
     {id: {"logprob", "rank", "decoded_token"}} for the token itself and the top n (ids as JSON keys are
     strings). The top n's ranks are 1…n; the prompt token's is its place among them, or null when it is not one
     of them (we do not know it). None if the request ended before its first token."""
-    if first.prompt_logprobs is None:
+    if first is None or first.prompt_logprobs is None:
         return None
     out: list[dict | None] = [None]
     for lp in first.prompt_logprobs[1:]:

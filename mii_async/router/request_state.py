@@ -3,7 +3,12 @@
 Engine events are the sampled token (with optional logprobs, the prompt's logprobs on the first one, and the
 engine's finish reason) or `Ended` (abort, error). Text goes through the IncrementalDetokenizer, so deltas are
 UTF-8 safe and stop strings end the request here: the owner must then abort it in the engine (`needs_abort`).
-The first chunk carries the prompt's ids. Imports no torch.
+The first chunk carries the prompt's ids.
+
+Logprobs live in the chunk that carries them. Only an owner that will call `response()` (the local pipeline's
+generate) passes `keep_logprobs=True` to have them gathered for the whole request: a prompt's logprobs may be
+~100 MB of Python objects (39k tokens × 21 entries), and the router, which only streams, must not hold them for
+the request's life. Imports no torch.
 """
 from __future__ import annotations
 
@@ -21,7 +26,8 @@ class Ended(NamedTuple):
 
 
 class RequestState:
-    def __init__(self, tokenizer: Any, prompt: str | None, prompt_ids: list[int], params: SamplingParams) -> None:
+    def __init__(self, tokenizer: Any, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+                 keep_logprobs: bool = False) -> None:
         self.prompt = prompt
         self.prompt_ids = prompt_ids
         self.params = params
@@ -29,8 +35,10 @@ class RequestState:
                                              include_stop_str_in_output=params.include_stop_str_in_output,
                                              skip_special_tokens=params.skip_special_tokens)
         self.output_ids: list[int] = []
-        self.logprobs: list[Logprob] | None = [] if params.logprobs is not None else None
-        self.prompt_logprobs: list[Logprob | None] | None = None   # set by the first token's event, when asked
+        self.keep_logprobs = keep_logprobs      # gather them for response(); else they live in their chunk only
+        # both None unless kept: the sampled tokens' (one per token), the prompt's (set by the first token's event)
+        self.logprobs: list[Logprob] | None = [] if params.logprobs is not None and keep_logprobs else None
+        self.prompt_logprobs: list[Logprob | None] | None = None
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.needs_abort = False          # set when a stop string ended the request before the engine did
@@ -53,14 +61,18 @@ class RequestState:
         self.cached_tokens = ev.cached_tokens
         self.output_ids.append(tok)
         lp = None
-        if self.logprobs is not None and ev.logprobs is not None:
+        if self.params.logprobs is not None and ev.logprobs is not None:
             lp = Logprob(tok, ev.logprobs.logprob, list(ev.logprobs.top))
-            self.logprobs.append(lp)
+            if self.logprobs is not None:
+                self.logprobs.append(lp)
         plps = None
-        if self.params.prompt_logprobs is not None and ev.prompt_logprobs is not None and self.prompt_logprobs is None:
+        if self.params.prompt_logprobs is not None and ev.prompt_logprobs is not None and not self._started:
+            # only the first token's event carries them, and it makes the first chunk
             assert len(ev.prompt_logprobs) == len(self.prompt_ids), "prompt logprobs must be one per prompt token"
-            plps = self.prompt_logprobs = [None if e is None else Logprob(t, e.logprob, list(e.top))
-                                           for t, e in zip(self.prompt_ids, ev.prompt_logprobs)]
+            plps = [None if e is None else Logprob(t, e.logprob, list(e.top))
+                    for t, e in zip(self.prompt_ids, ev.prompt_logprobs)]
+            if self.keep_logprobs:
+                self.prompt_logprobs = plps
         delta = self._detok.push([tok])
         text = delta.text
         if delta.stopped:
@@ -83,6 +95,8 @@ class RequestState:
 
     def response(self) -> Response:
         assert self.finished, "response() before the request finished"
+        assert self.keep_logprobs or (self.params.logprobs is None and self.params.prompt_logprobs is None), \
+            "response() with logprobs needs RequestState(keep_logprobs=True)"
         text = self._detok.text
         if self.params.return_full_text and self.prompt is not None:
             text = self.prompt + text

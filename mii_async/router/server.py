@@ -249,7 +249,7 @@ class Router:
             self.forget(live)
             await self._refuse(live.peer, live.creq, InvalidParameterError("prompt", f"could not be encoded: {exc}"))
             return
-        live.state = RequestState(self.tokenizer, text, ids, params)
+        live.state = RequestState(self.tokenizer, text, ids, params)   # streams only: keeps no logprobs
         live.replica, live.cost = rep, cost
         rep.requests.add(live.rid)
         self.queued_tokens += cost

@@ -237,6 +237,7 @@ def test_vllm_prompt_logprobs(model, deployment, gateway_url):
     assert all(len(e) == 1 for e in body["prompt_logprobs"][1:]) and "prompt_logprobs" not in body["choices"][0]
     for extra, param in (({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
                          ({"prompt_logprobs": 21}, "prompt_logprobs"),
+                         ({"echo": True, "logprobs": 2, "prompt_logprobs": -1}, "prompt_logprobs"),
                          ({"echo": True, "logprobs": 1, "max_tokens": 0}, "max_tokens")):
         r = httpx.post(f"{gateway_url}/v1/completions", json={"model": model, "prompt": prompt, **extra}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
@@ -266,3 +267,117 @@ def test_prompt_logprobs_map_to_sampling_params():
         with pytest.raises(HTTPError) as e:
             completion_jobs(body)
         assert e.value.param == param, body
+
+
+def test_lm_eval_loglikelihood_request(model, deployment, gateway_url):
+    """lm-eval-harness's local-completions loglikelihood request (a batch of token-id prompts, echo, max_tokens
+    1, logprobs 1, temperature 0, a seed) is answered: token_logprobs are the prompt's logprobs (null first) then
+    the one sampled token's, so its [ctxlen:-1] slice is the continuation's; its greedy test (a token's logprob
+    is the max of its top) holds exactly where the prompt token is the model's top choice."""
+    texts = ["The capital of France is Paris", "Two plus two equals four"]
+    refs = deployment(texts, max_new_tokens=1, prompt_logprobs=1, logprobs=1)
+    prompts = [r.prompt_token_ids for r in refs]
+    r = httpx.post(f"{gateway_url}/v1/completions", timeout=60,
+                   json={"model": model, "prompt": prompts, "max_tokens": 1, "logprobs": 1, "echo": True,
+                         "temperature": 0, "seed": 1234})
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    assert len(choices) == 2
+    for c, ref, ids in zip(choices, refs, prompts):
+        lp = c["logprobs"]
+        assert len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids) + 1
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        want = [x.logprob for x in ref.prompt_logprobs[1:]]
+        assert lp["token_logprobs"][1:-1] == pytest.approx(want, abs=1e-4)
+        assert lp["token_logprobs"][-1] == pytest.approx(ref.logprobs[0].logprob, abs=1e-4)
+        ctxlen = len(ids) - 1                          # the last prompt token is the continuation
+        assert lp["token_logprobs"][ctxlen:-1] == pytest.approx(want[ctxlen - 1:], abs=1e-4)
+        for got, top, x in zip(lp["token_logprobs"][1:-1], lp["top_logprobs"][1:-1], ref.prompt_logprobs[1:]):
+            assert len(top) == 1
+            assert (got == max(top.values())) == (x.top[0][0] == x.token_id), (x, top)
+
+
+def test_n_choices_share_the_first_choices_prompt_logprobs(model, deployment, gateway_url, oai):
+    """With n > 1 only a prompt's first choice asks the engine for its logprobs; every choice still shows them
+    (echo's prompt part, vLLM's list), equal to the client API's, streamed (each choice's first chunk) or not."""
+    prompt = "The capital of France is"
+    [ref] = deployment([prompt], max_new_tokens=3, prompt_logprobs=2)
+    want = [x.logprob for x in ref.prompt_logprobs[1:]]
+    n = ref.prompt_length
+    r = httpx.post(f"{gateway_url}/v1/completions", timeout=60,
+                   json={"model": model, "prompt": prompt, "max_tokens": 3, "n": 3, "seed": 5, "echo": True,
+                         "logprobs": 2, "prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert sorted(c["index"] for c in choices) == [0, 1, 2]
+    for c in choices:
+        lp = c["logprobs"]
+        assert lp["token_logprobs"][0] is None and lp["token_logprobs"][1:n] == pytest.approx(want, abs=1e-4)
+        assert len(lp["tokens"]) == n + 3 and c["text"].startswith(prompt)
+        assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(n + 3)]
+        assert c["prompt_logprobs"] == choices[0]["prompt_logprobs"] and len(c["prompt_logprobs"]) == n
+    stream = oai.completions.create(model=model, prompt=prompt, max_tokens=3, n=3, seed=5, echo=True, logprobs=2,
+                                    stream=True)
+    firsts = {}
+    for ch in stream:
+        for c in ch.choices:
+            firsts.setdefault(c.index, c)
+    assert sorted(firsts) == [0, 1, 2]
+    for c in firsts.values():
+        assert c.text == prompt and c.logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+
+
+def test_one_asking_choice_per_prompt_and_prompt_logprobs_checked_as_sent():
+    """The mapping alone: of n choices only each prompt's first asks for prompt_logprobs (chat too); a
+    prompt_logprobs out of [0, 20] is a 400 naming it even when echo with logprobs would raise it."""
+    import asyncio
+
+    from mii_async.gateway.http_errors import HTTPError
+    from mii_async.gateway.openai_params import chat_jobs, completion_jobs
+    from mii_async.gateway.openai_schemas import ChatCompletionRequest, CompletionRequest
+
+    jobs = completion_jobs(CompletionRequest(prompt=["a", "b"], n=3, echo=True, logprobs=1))
+    assert [(j.index, j.prompt_index, "prompt_logprobs" in j.params) for j in jobs] == [
+        (0, 0, True), (1, 0, False), (2, 0, False), (3, 1, True), (4, 1, False), (5, 1, False)]
+    assert all(j.params["logprobs"] == 1 for j in jobs)
+    jobs = asyncio.run(chat_jobs(ChatCompletionRequest(messages=QUESTION, max_tokens=3, n=2, prompt_logprobs=0), None))
+    assert ["prompt_logprobs" in j.params for j in jobs] == [True, False]
+    for v in (-1, 21):
+        with pytest.raises(HTTPError) as e:
+            completion_jobs(CompletionRequest(prompt="x", echo=True, logprobs=2, prompt_logprobs=v))
+        assert e.value.param == "prompt_logprobs", v
+
+
+def test_token_texts_are_decoded_once_and_prompt_parts_rendered_once():
+    """GatewayState.token_text decodes each id once; the prompt's echo and vLLM parts are rendered once for
+    all the choices of a prompt, from the first choice's chunk (the only one that asked)."""
+    from mii_async.config import HttpConfig
+    from mii_async.gateway.openai_routes import _PromptParts
+    from mii_async.gateway.state import GatewayState
+    from mii_async.gateway.streams import Job, Opened
+    from mii_async.outputs import Logprob, StreamChunk
+
+    class Tok:
+        calls = 0
+
+        def decode(self, ids):
+            Tok.calls += 1
+            return "".join(f"t{i} " for i in ids)
+
+    s = GatewayState(None, HttpConfig())
+    s.tokenizer = Tok()
+    ids = [1, 2, 3, 2, 1]
+    plps = [None] + [Logprob(t, -1.0, [(t, -1.0), (9, -2.0)]) for t in ids[1:]]
+    first = StreamChunk("x", [4], None, None, None, None, plps, ids)
+    bare = StreamChunk("y", [4], None, None, None, None, None, ids)
+    opened = [Opened(Job(j, 0, ids, {"prompt_logprobs": 2} if j == 0 else {}), first if j == 0 else bare, None)
+              for j in range(4)]
+    parts = _PromptParts(s, opened)
+    echoes = [parts.echo(o.job, 2) for o in opened]
+    vllms = [parts.vllm(o.job, 2) for o in opened]
+    assert all(e is echoes[0] for e in echoes) and all(v is vllms[0] for v in vllms)
+    assert echoes[0]["tokens"] == ["t1 ", "t2 ", "t3 ", "t2 ", "t1 "] and echoes[0]["token_logprobs"][1:] == [-1.0] * 4
+    assert vllms[0][1] == {"2": {"logprob": -1.0, "rank": 1, "decoded_token": "t2 "},
+                           "9": {"logprob": -2.0, "rank": 2, "decoded_token": "t9 "}}
+    assert Tok.calls == 4                      # ids 1, 2, 3 and 9, once each
+    assert [s.token_text(i) for i in (9, 3)] == ["t9 ", "t3 "] and Tok.calls == 4
