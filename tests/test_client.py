@@ -102,7 +102,7 @@ def test_leaving_the_loop_early_frees_kv(deployment):
 
 
 async def _used(client) -> int:
-    return (await client.stats())["used_blocks"]
+    return (await client.stats()).get("used_blocks", 0)   # none while the replica is unanswered
 
 
 def test_bad_requests_name_the_parameter(deployment):
@@ -178,7 +178,7 @@ def test_cancel_while_queued_and_overload(small):
 
 
 async def _waiting(client, n: int) -> bool:
-    return (await client.stats())["waiting"] == n
+    return (await client.stats()).get("waiting") == n
 
 
 def test_silent_client_loses_its_requests(small):
