@@ -80,12 +80,13 @@ async def worker(client: mii_async.AsyncClient, queue: asyncio.Queue[Job], resul
 
 
 async def server_idle(client: mii_async.AsyncClient, timeout_s: float = 5.0) -> dict:
-    """The engines' counters once no request is running or waiting (or after `timeout_s`). On a shared
-    deployment other clients' requests count here too."""
+    """The engines' counters once every replica answered with no request running or waiting (or after
+    `timeout_s`). On a shared deployment other clients' requests count here too."""
     deadline = time.monotonic() + timeout_s
     while True:
         stats = await client.stats()
-        if (stats["running"] == 0 and stats["waiting"] == 0) or time.monotonic() > deadline:
+        idle = not stats["unanswered"] and stats["running"] == 0 and stats["waiting"] == 0
+        if idle or time.monotonic() > deadline:
             return stats
         await asyncio.sleep(0.05)
 

@@ -28,6 +28,11 @@ MAX_BATCH_DELTAS = 1 << 14             # Deltas in one DeltaBatch at most (each 
 MAX_PROMPT_LOGPROBS_BYTES = 4 * 2**20  # one request's prompt logprobs (with its prompt ids) in a frame at most,
                                        # by prompt_logprobs_bytes: the router refuses a request that needs more
 
+ENGINE_COUNTERS = ("num_blocks", "free_blocks", "used_blocks", "cached_blocks", "prefix_hit_tokens",
+                   "prefix_query_tokens", "running", "waiting", "preemptions", "steps")
+                                       # every engine's StatsReport carries these; the router's stats() sums
+                                       # them, each key present (0 when no replica answered)
+
 _IDS = {"ids": True}                   # field metadata: a packed token-id array on the wire
 
 

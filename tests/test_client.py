@@ -102,7 +102,7 @@ def test_leaving_the_loop_early_frees_kv(deployment):
 
 
 async def _used(client) -> int:
-    return (await client.stats()).get("used_blocks", 0)   # none while the replica is unanswered
+    return (await client.stats())["used_blocks"]   # 0 while the replica is unanswered
 
 
 def test_bad_requests_name_the_parameter(deployment):

@@ -28,7 +28,7 @@ class StatsQueries:
         """Fresh engine counters from every ready replica, summed, and per replica under `replicas`; with
         `reset_prefix_cache`, each first forgets the prefixes of its free blocks. `unanswered` lists the
         replicas asked that did not answer in time (STATS_TIMEOUT_S, RESET_TIMEOUT_S) and did not die
-        meanwhile."""
+        meanwhile. Every key of P.ENGINE_COUNTERS is in the totals, summed over the replicas that answered."""
         token = next(self._tokens)
         ready = [r for r in self.replicas.ready() if r.leader is not None]
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -42,7 +42,9 @@ class StatsQueries:
             per = self._waiters[token][2]
         finally:
             want = self._waiters.pop(token, (None, set(), {}))[1]     # less the replicas that died
-        totals: dict[str, int] = {"prefix_blocks_forgotten": 0} if reset_prefix_cache else {}
+        totals = dict.fromkeys(P.ENGINE_COUNTERS, 0)
+        if reset_prefix_cache:
+            totals["prefix_blocks_forgotten"] = 0
         for s in per.values():
             for k, v in s.items():
                 if isinstance(v, int):

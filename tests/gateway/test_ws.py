@@ -183,8 +183,8 @@ def test_disconnect_cancels_every_request(gateway_url, deployment):
 
 
 async def _running(client, n: int) -> bool:
-    s = await client.stats()          # no counters when the replica was busy past the stats deadline: poll again
-    return s.get("running") == n
+    s = await client.stats()          # the replica busy past the stats deadline is unanswered: poll again
+    return not s["unanswered"] and s["running"] == n
 
 
 def test_oversize_frame_closes_with_1009(gateway_url):
@@ -232,7 +232,7 @@ def test_slow_reader_is_closed_not_buffered(start_gateway, deployment):
 
 async def _idle_or_gone(client) -> bool:
     s = await client.stats()
-    return not s["unanswered"] and s.get("running", 0) == 0 and s.get("waiting", 0) == 0 and s.get("used_blocks", 0) == 0
+    return not s["unanswered"] and s["running"] == 0 and s["waiting"] == 0 and s["used_blocks"] == 0
 
 
 def test_prompt_logprobs_on_the_first_token_frame(gateway_url, deployment):

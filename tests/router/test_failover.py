@@ -13,6 +13,7 @@ import time
 import pytest
 
 import mii_async
+from mii_async import protocol as P
 from tests.mesh_helpers import alive, deployment_pids, kv_idle, until, wait_gone, with_word_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -89,7 +90,7 @@ async def _replaced(client):
 
 
 async def _used(client):
-    return (await client.stats()).get("used_blocks", 0)   # none while the replica is unanswered
+    return (await client.stats())["used_blocks"]   # 0 while the replica is unanswered
 
 
 def test_parent_death_stops_the_deployment(default_model_dir, tmp_path):
@@ -173,6 +174,9 @@ def test_a_silent_replica_fails_the_prefix_cache_reset(tiny_model, tmp_path):
             assert (await client.stats())["unanswered"] == []
             os.kill(victim, signal.SIGSTOP)
             try:
+                s = await client.stats()          # replica 0's counters alone, every key there
+                assert s["unanswered"] == [1] and list(s["replicas"]) == ["0"]
+                assert set(P.ENGINE_COUNTERS) <= set(s) and s["num_blocks"] == 64
                 t0 = time.monotonic()
                 with pytest.raises(mii_async.UnavailableError, match="replica 1 did not answer"):
                     await client.reset_prefix_cache()

@@ -5,6 +5,8 @@ import random
 
 import pytest
 
+from mii_async import protocol as P
+
 from .helpers import make_engine, run_engine
 
 
@@ -85,6 +87,7 @@ def test_reset_prefix_cache_forgets_free_blocks(tiny_model, prompts, reference):
     engine = make_engine(tiny_model("llama"), num_blocks=128, block_size=16)
     long = max(prompts, key=len)
     run_engine(engine, [long], max_new_tokens=24, min_new_tokens=24)
+    assert set(P.ENGINE_COUNTERS) <= set(engine.stats())   # what the router's stats() sums
     cached = engine.stats()["cached_blocks"]
     assert cached == (len(long) + 23) // 16 > 0          # every full block of computed tokens
     assert engine.reset_prefix_cache() == cached and engine.stats()["cached_blocks"] == 0
