@@ -2,7 +2,7 @@
 on the very same weights, in one run (issue 6's figures; docs/benchmarks.md).
 
     python -m mii_async.bench.llama8b [--only parity,bs1,offline,mixed,profile] [--json results.json]
-        [--mixed-budgets 1024,1536,2048] [--step-token-multiples 0,64,128] [--repeat 2]
+        [--mixed-budgets 1024,1536,2048] [--step-token-multiples 0,64,128] [--mma-warps 2,4] [--repeat 2]
 
 parity   last-position prefill logits (4 prompts) and one decode step against transformers' forward; greedy
          agreement over 64 tokens for 32 prompts of 128 tokens
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import random
 import statistics
@@ -27,6 +28,8 @@ import time
 import torch
 
 import mii_async
+from mii_async.kernels import decode_attention
+from mii_async.workers.cuda_graphs import DecodeGraphs
 
 from .step_log import StepLog
 from .step_profile import graph_steps, profile
@@ -214,29 +217,53 @@ def offline(hf, engine, n: int = 1024, hf_n: int = 256) -> dict:
             "floor_seconds_flops": flops / FLOPS, "floor_output_tok_s": n * 128 / (flops / FLOPS)}
 
 
-def mixed_sweep(engine, budgets: list[int | None], multiples: list[int], repeat: int, early: bool = True) -> dict:
-    """The mixed load once per (repeat, mixed budget, step token multiple), the variants interleaved so that
-    the device's drift (power cap, clocks) falls on all of them alike; the scheduler's
-    `max_mixed_batch_tokens` and `step_token_multiple` (0: not cut) are set between runs. A budget of None
-    keeps the engine's."""
-    sched = engine.scheduler
+def mixed_sweep(engine, budgets: list[int | None], multiples: list[int], repeat: int, early: bool = True,
+                warps: list[int | None] = (None,)) -> dict:
+    """The mixed load once per (repeat, decode-attention width, mixed budget, step token multiple), the
+    variants interleaved so that the device's drift (power cap, clocks) falls on all of them alike; the
+    scheduler's `max_mixed_batch_tokens` and `step_token_multiple` (0: not cut) are set between runs. A budget
+    of None keeps the engine's. With more than one width, each has decode graphs captured of its own."""
+    sched, runner = engine.scheduler, engine.runner
     start, runs = sched.config, {}
+    graphs = {w: width_graphs(engine, w) for w in warps} if len(warps) > 1 else {warps[0]: runner.graphs}
+    start_graphs, start_narrow = runner.graphs, decode_attention.MMA_NARROW_FROM
     mixed(engine, n=64, early=early)             # warm-up: the first eager steps of each shape
     try:
         for r in range(repeat):
-            for b in budgets:
-                for m in multiples:
+            for w in warps:
+                runner.graphs = graphs[w]
+                if w is not None:
+                    decode_attention.MMA_NARROW_FROM = 0 if w == 2 else None
+                for b, m in itertools.product(budgets, multiples):
                     sched.config = dataclasses.replace(
                         start, max_mixed_batch_tokens=min(b or start.max_mixed_batch_tokens, start.max_batch_tokens),
                         step_token_multiple=m or None)
-                    name = f"budget {b if b is not None else 'default'} multiple {m}"   # as asked: unique
+                    name = (f"budget {b if b is not None else 'default'} multiple {m}"   # as asked: unique
+                            + (f" warps {w}" if w is not None else ""))
                     runs[f"{name} #{r}"] = res = mixed(engine, early=early)
                     print(f"mixed {name} run {r}: {res['output_tok_s']:.0f} tok/s, ITL p50 / p99 "
                           f"{res['itl_ms_p50']:.1f} / {res['itl_ms_p99']:.1f} ms, TTFT p50 "
                           f"{res['ttft_ms_p50']:.0f} ms", flush=True)
     finally:
-        sched.config = start
+        sched.config, runner.graphs, decode_attention.MMA_NARROW_FROM = start, start_graphs, start_narrow
     return runs
+
+
+def width_graphs(engine, warps: int | None):
+    """Decode graphs captured with decode attention at `warps` (2 or 4) for every batch: a second set beside
+    the engine's (the bench's memory plan leaves room), since a graph keeps the kernel it captured."""
+    g = engine.runner.graphs
+    if g is None or warps is None:
+        return g
+    keep = decode_attention.MMA_NARROW_FROM
+    decode_attention.MMA_NARROW_FROM = 0 if warps == 2 else None
+    try:
+        out = DecodeGraphs(g.model, g.kv_caches, g.block_size, g.device, g.buckets[-1], engine.max_model_len,
+                           scratch_block=g.scratch_slot // g.block_size)
+        out.capture()
+    finally:
+        decode_attention.MMA_NARROW_FROM = keep
+    return out
 
 
 def mixed(engine, n: int = 1000, early: bool = True) -> dict:
@@ -332,10 +359,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-token-multiple", type=int, default=None,
                     help="the scheduler's step_token_multiple (default: none, steps are not cut)")
     ap.add_argument("--repeat", type=int, default=1,
-                    help="mixed with --mixed-budgets or --step-token-multiples: rounds over the variants")
-    ap.add_argument("--mma-warps", type=int, choices=(2, 4), default=None,
-                    help="decode attention's tensor-core kernel at this block width for every batch "
-                         "(default: kernels/decode_attention.py's choice by batch)")
+                    help="mixed with --mixed-budgets, --step-token-multiples or --mma-warps 2,4: rounds over the variants")
+    ap.add_argument("--mma-warps", default=None,
+                    help="decode attention's tensor-core kernel at this block width (2 or 4) for every batch "
+                         "(default: kernels/decode_attention.py's choice by batch); mixed: a comma list runs the "
+                         "load once per width, in one process, each with graphs of its own")
     ap.add_argument("--late-tokens", action="store_true",
                     help="mixed: tokens handed over at the end of each step (engine.step() without emit)")
     a = ap.parse_args(argv)
@@ -343,9 +371,11 @@ def main(argv: list[str] | None = None) -> int:
     sched = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("max_batch_tokens", a.max_batch_tokens),
                                ("max_mixed_batch_tokens", a.max_mixed_batch_tokens),
                                ("step_token_multiple", a.step_token_multiple)) if v}
-    if a.mma_warps is not None:               # before the engine captures its graphs, which keep the choice
-        from mii_async.kernels import decode_attention
-        decode_attention.MMA_NARROW_FROM = 0 if a.mma_warps == 2 else None
+    warps = ints(a.mma_warps)
+    if any(w not in (2, 4) for w in warps):
+        ap.error(f"--mma-warps: widths are 2 or 4, got {a.mma_warps}")
+    if len(warps) == 1:                       # before the engine captures its graphs, which keep the choice
+        decode_attention.MMA_NARROW_FROM = 0 if warps[0] == 2 else None
     hf, engine = build(kernels=a.kernels, **sched)
     results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                      "weights_gb": weight_bytes(hf) / 1e9, "kernels": engine.kernels,
@@ -362,8 +392,8 @@ def main(argv: list[str] | None = None) -> int:
              "offline": lambda: offline(hf, engine),
              "mixed": lambda: (mixed_sweep(engine, ints(a.mixed_budgets) or [None],
                                            ints(a.step_token_multiples) or [sched_cfg.step_token_multiple or 0],
-                                           a.repeat, not a.late_tokens)
-                               if a.mixed_budgets or a.step_token_multiples
+                                           a.repeat, not a.late_tokens, warps if len(warps) > 1 else [None])
+                               if a.mixed_budgets or a.step_token_multiples or len(warps) > 1
                                else mixed(engine, early=not a.late_tokens)),
              "profile": lambda: {"bs1": profile(engine, 1), "bs256": profile(engine, 256),
                                  "mixed_128_decodes_1024_prompts": profile(engine, 128, prompt_len=1024),
