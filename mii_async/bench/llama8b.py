@@ -2,7 +2,8 @@
 on the very same weights, in one run (issue 6's figures; docs/benchmarks.md).
 
     python -m mii_async.bench.llama8b [--only parity,bs1,offline,mixed,profile] [--json results.json]
-        [--mixed-budgets 1024,1536,2048] [--step-token-multiples 0,64,128] [--mma-warps 2,4] [--repeat 2]
+        [--mixed-budgets 1024,1536,2048] [--step-token-multiples 0,64,128] [--mma-warps 2,4]
+        [--mixed-num-seqs 256,320] [--repeat 2]
 
 parity   last-position prefill logits (4 prompts) and one decode step against transformers' forward; greedy
          agreement over 64 tokens for 32 prompts of 128 tokens
@@ -218,11 +219,12 @@ def offline(hf, engine, n: int = 1024, hf_n: int = 256) -> dict:
 
 
 def mixed_sweep(engine, budgets: list[int | None], multiples: list[int], repeat: int, early: bool = True,
-                warps: list[int | None] = (None,)) -> dict:
-    """The mixed load once per (repeat, decode-attention width, mixed budget, step token multiple), the
-    variants interleaved so that the device's drift (power cap, clocks) falls on all of them alike; the
-    scheduler's `max_mixed_batch_tokens` and `step_token_multiple` (0: not cut) are set between runs. A budget
-    of None keeps the engine's. With more than one width, each has decode graphs captured of its own."""
+                warps: list[int | None] = (None,), num_seqs: list[int | None] = (None,)) -> dict:
+    """The mixed load once per (repeat, decode-attention width, max_num_seqs, mixed budget, step token
+    multiple), the variants interleaved so that the device's drift (power cap, clocks) falls on all of them
+    alike; the scheduler's `max_num_seqs`, `max_mixed_batch_tokens` and `step_token_multiple` (0: not cut) are
+    set between runs. None keeps the engine's. With more than one width, each has decode graphs captured of
+    its own."""
     sched, runner = engine.scheduler, engine.runner
     start, runs = sched.config, {}
     graphs = {w: width_graphs(engine, w) for w in warps} if len(warps) > 1 else {warps[0]: runner.graphs}
@@ -234,12 +236,12 @@ def mixed_sweep(engine, budgets: list[int | None], multiples: list[int], repeat:
                 runner.graphs = graphs[w]
                 if w is not None:
                     decode_attention.MMA_NARROW_FROM = 0 if w == 2 else None
-                for b, m in itertools.product(budgets, multiples):
+                for q, b, m in itertools.product(num_seqs, budgets, multiples):
                     sched.config = dataclasses.replace(
                         start, max_mixed_batch_tokens=min(b or start.max_mixed_batch_tokens, start.max_batch_tokens),
-                        step_token_multiple=m or None)
+                        step_token_multiple=m or None, max_num_seqs=q or start.max_num_seqs)
                     name = (f"budget {b if b is not None else 'default'} multiple {m}"   # as asked: unique
-                            + (f" warps {w}" if w is not None else ""))
+                            + (f" seqs {q}" if q is not None else "") + (f" warps {w}" if w is not None else ""))
                     runs[f"{name} #{r}"] = res = mixed(engine, early=early)
                     print(f"mixed {name} run {r}: {res['output_tok_s']:.0f} tok/s, ITL p50 / p99 "
                           f"{res['itl_ms_p50']:.1f} / {res['itl_ms_p99']:.1f} ms, TTFT p50 "
@@ -356,10 +358,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-token-multiples", default=None,
                     help="mixed: run the load once per step_token_multiple in this comma list (0: not cut), in "
                          "one process (with --mixed-budgets, once per pair)")
+    ap.add_argument("--mixed-num-seqs", default=None,
+                    help="mixed: run the load once per max_num_seqs in this comma list, in one process (the engine "
+                         "is built for the largest: its decode graphs cover every batch)")
     ap.add_argument("--step-token-multiple", type=int, default=None,
                     help="the scheduler's step_token_multiple (default: none, steps are not cut)")
     ap.add_argument("--repeat", type=int, default=1,
-                    help="mixed with --mixed-budgets, --step-token-multiples or --mma-warps 2,4: rounds over the variants")
+                    help="mixed with a list of variants (budgets, multiples, num seqs, widths): rounds over them")
     ap.add_argument("--mma-warps", default=None,
                     help="decode attention's tensor-core kernel at this block width (2 or 4) for every batch "
                          "(default: kernels/decode_attention.py's choice by batch); mixed: a comma list runs the "
@@ -376,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--mma-warps: widths are 2 or 4, got {a.mma_warps}")
     if len(warps) == 1:                       # before the engine captures its graphs, which keep the choice
         decode_attention.MMA_NARROW_FROM = 0 if warps[0] == 2 else None
+    if a.mixed_num_seqs:
+        sched["max_num_seqs"] = max(ints(a.mixed_num_seqs))
     hf, engine = build(kernels=a.kernels, **sched)
     results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                      "weights_gb": weight_bytes(hf) / 1e9, "kernels": engine.kernels,
@@ -392,8 +399,9 @@ def main(argv: list[str] | None = None) -> int:
              "offline": lambda: offline(hf, engine),
              "mixed": lambda: (mixed_sweep(engine, ints(a.mixed_budgets) or [None],
                                            ints(a.step_token_multiples) or [sched_cfg.step_token_multiple or 0],
-                                           a.repeat, not a.late_tokens, warps if len(warps) > 1 else [None])
-                               if a.mixed_budgets or a.step_token_multiples or len(warps) > 1
+                                           a.repeat, not a.late_tokens, warps if len(warps) > 1 else [None],
+                                           ints(a.mixed_num_seqs) or [None])
+                               if a.mixed_budgets or a.step_token_multiples or a.mixed_num_seqs or len(warps) > 1
                                else mixed(engine, early=not a.late_tokens)),
              "profile": lambda: {"bs1": profile(engine, 1), "bs256": profile(engine, 256),
                                  "mixed_128_decodes_1024_prompts": profile(engine, 128, prompt_len=1024),
