@@ -147,8 +147,8 @@ class AsyncClient:
                 lps.extend(_logprob(x) for x in d.logprobs)
             if d.prompt_ids is not None:
                 prompt_ids = d.prompt_ids
-            if d.prompt_logprobs is not None:
-                prompt_lps = _prompt_logprobs(d.prompt_logprobs)
+            if d.prompt_logprobs is not None:          # decode saw the prompt's ids in the same Delta
+                prompt_lps = d.prompt_logprobs.to_logprobs(prompt_ids)
             last = d
         assert last is not None and last.finish_reason is not None, "stream ended without a finish reason"
         out = "".join(text)
@@ -291,10 +291,6 @@ def _logprob(x: list) -> Logprob:
     return Logprob(int(x[0]), float(x[1]), [(int(i), float(lp)) for i, lp in x[2]])
 
 
-def _prompt_logprobs(xs: list) -> list[Logprob | None]:
-    return [None if x is None else _logprob(x) for x in xs]
-
-
 def _usage(u: dict | None) -> Usage | None:
     if u is None:
         return None
@@ -303,6 +299,6 @@ def _usage(u: dict | None) -> Usage | None:
 
 def _chunk(d: P.Delta) -> StreamChunk:
     lps = [_logprob(x) for x in d.logprobs] if d.logprobs else None
-    plps = _prompt_logprobs(d.prompt_logprobs) if d.prompt_logprobs is not None else None
+    plps = d.prompt_logprobs.to_logprobs(d.prompt_ids) if d.prompt_logprobs is not None else None
     return StreamChunk(d.text, list(d.token_ids), lps, d.finish_reason, _usage(d.usage), d.error, plps,
                        d.prompt_ids)

@@ -148,7 +148,8 @@ class Pipeline:
         `keep_logprobs`: the state gathers the logprobs for response() (a stream's chunks carry them alone)."""
         text, ids = self._encoder.encode(prompt)
         self._engine.engine.check_request(ids, params)
-        return RequestState(self.tokenizer, text, ids, params, keep_logprobs=keep_logprobs)
+        return RequestState(self.tokenizer, text, ids, params, keep_logprobs=keep_logprobs,
+                            decode_prompt_logprobs=True)        # the chunks carry Logprob objects
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         return self._encoder.apply_chat_template(messages)

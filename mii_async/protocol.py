@@ -1,11 +1,12 @@
 """Every wire message between client, router and workers, and their one msgpack encoding.
 
 A frame is a msgpack map {"v": PROTOCOL_VERSION, "t": <message name>, <fields>}. Token-id lists travel as
-packed little-endian uint32 arrays (msgpack bin), not as lists of ints; a list of messages (DeltaBatch) as a
-list of such maps without "v" and "t". Never pickle. `decode` checks the version, the type, that every field
-is present and of its declared type, and msgpack's own length limits; anything else raises ProtocolError,
-which the receiver counts and answers without stopping. Each message type's field checks are built once, at
-import: decoding runs on every token's path (router, gateway, client).
+packed little-endian uint32 arrays (msgpack bin), not as lists of ints, and a prompt's logprobs as packed
+arrays too (PromptLogprobs); a list of messages (DeltaBatch) as a list of such maps without "v" and "t". Never
+pickle. `decode` checks the version, the type, that every field is present and of its declared type, and
+msgpack's own length limits; anything else raises ProtocolError, which the receiver counts and answers
+without stopping. Each message type's field checks are built once, at import: decoding runs on every token's
+path (router, gateway, client).
 """
 from __future__ import annotations
 
@@ -20,13 +21,19 @@ from typing import Any, NamedTuple, Union
 
 import msgpack
 
-PROTOCOL_VERSION = 3                  # 2: DeltaBatch, StatsQuery.reset_prefix_cache; 3: prompt_logprobs
-                                      # (StepTokens, Delta): a peer of 2 refuses them as unknown fields
+from .outputs import Logprob
+
+PROTOCOL_VERSION = 4                  # 2: DeltaBatch, StatsQuery.reset_prefix_cache; 3: prompt_logprobs
+                                      # (StepTokens, Delta): a peer of 2 refuses them as unknown fields;
+                                      # 4: prompt_logprobs as packed arrays (PromptLogprobs), not nested lists
 MAX_FRAME_BYTES = 16 * 2**20          # also the sockets' ZMQ_MAXMSGSIZE
 MAX_ITEMS = 1 << 20                    # longest msgpack array or map, and bin length in ids
 MAX_BATCH_DELTAS = 1 << 14             # Deltas in one DeltaBatch at most (each is checked and built on decode)
 MAX_PROMPT_LOGPROBS_BYTES = 4 * 2**20  # one request's prompt logprobs (with its prompt ids) in a frame at most,
-                                       # by prompt_logprobs_bytes: the router refuses a request that needs more
+                                       # by prompt_logprobs_bytes: the router refuses a request that needs more.
+                                       # Packed, that is 262k prompt tokens at n = 1, 25k at n = 20; what
+                                       # bounds it is the client, which makes Logprob objects of them all at
+                                       # once (0.5 s on its loop for 262k at n = 1, 0.1 s for 25k at n = 20)
 
 ENGINE_COUNTERS = ("num_blocks", "free_blocks", "used_blocks", "cached_blocks", "prefix_hit_tokens",
                    "prefix_query_tokens", "running", "waiting", "preemptions", "steps")
@@ -34,10 +41,55 @@ ENGINE_COUNTERS = ("num_blocks", "free_blocks", "used_blocks", "cached_blocks", 
                                        # them, each key present (0 when no replica answered)
 
 _IDS = {"ids": True}                   # field metadata: a packed token-id array on the wire
+_PLPS = {"plps": "one"}                # a PromptLogprobs ([n, own, top_ids, top_logprobs] on the wire)
+_EACH_PLPS = {"plps": "each"}          # a list of PromptLogprobs or None
 
 
 class ProtocolError(ValueError):
     """A frame that is not a valid message of this protocol version."""
+
+
+class PromptLogprobs(NamedTuple):
+    """A prompt's logprobs, packed: for a prompt of L tokens, positions 1 … L−1 (the first token has none), each
+    prompt token's logprob given the tokens before it and the n most likely tokens there. On the wire a msgpack
+    array [n, own, top_ids, top_logprobs] of an int and three bins of little-endian arrays, so that the router
+    checks them with a few numpy operations and forwards the bytes as they came (a prompt's logprobs as msgpack
+    lists cost its event loop ~0.5 s at 4 MiB). `to_logprobs` gives the public form (outputs.Logprob)."""
+    n: int                    # alternatives per position (the request's prompt_logprobs, or fewer)
+    own: bytes                # float32[L-1]: position p's prompt token's logprob, p = 1 … L-1
+    top_ids: bytes            # uint32[(L-1)·n], row-major: position p's n most likely token ids, best first
+    top_logprobs: bytes       # float32[(L-1)·n]: their logprobs, parallel to top_ids
+
+    @property
+    def num_positions(self) -> int:
+        return len(self.own) // 4
+
+    def well_formed(self) -> bool:
+        """The shape holds together: an int n ≥ 0, three bins, and n entries of each top array per position."""
+        n, own, ids, lps = self
+        return (type(n) is int and n >= 0 and type(own) is bytes and type(ids) is bytes and type(lps) is bytes
+                and len(own) % 4 == 0 and len(ids) == len(lps) == n * len(own))
+
+    def to_logprobs(self, prompt_ids: list[int]) -> list[Logprob | None]:
+        """The public form, one entry per prompt token: None for the first, then Logprob(prompt token, its
+        logprob, [(id, logprob), …] best first). `prompt_ids` are the prompt's L tokens."""
+        assert len(prompt_ids) == self.num_positions + 1, "one position per prompt token after the first"
+        own = _unpack(self.own, "f")
+        ids = _unpack(self.top_ids, "I")
+        lps = _unpack(self.top_logprobs, "f")
+        n = self.n
+        pairs = list(zip(ids, lps))
+        tops = [pairs[k:k + n] for k in range(0, len(pairs), n)] if n else [[] for _ in own]
+        return [None, *map(Logprob, prompt_ids[1:], own, tops)]
+
+
+def _unpack(b: bytes, typecode: str) -> list:
+    """A little-endian packed array's values as Python numbers (float32 values are exact as floats)."""
+    a = array.array(typecode)
+    a.frombytes(b)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tolist()
 
 
 # -- client ⇄ router ---------------------------------------------------------------------------------
@@ -68,9 +120,9 @@ class Delta:
     usage: dict | None = None                      # prompt_tokens, completion_tokens, cached_tokens
     error: str | None = None                       # with finish_reason "error"
     prompt_ids: list[int] | None = field(default=None, metadata=_IDS)   # first delta only: the prompt's ids
-    prompt_logprobs: list | None = None            # on the delta of the first sampled token, when asked: per
-                                                   # prompt token None (the first) or [token_id, logprob,
-                                                   # [[id, logprob], …]], its logprob given the tokens before it
+    prompt_logprobs: PromptLogprobs | None = field(default=None, metadata=_PLPS)   # when asked, on the delta
+                                                   # of the first sampled token (which has prompt_ids): one
+                                                   # position per prompt token after the first
 
 
 @dataclass
@@ -172,9 +224,11 @@ class StepTokens:
     finish_reasons: list[str | None] = field(default_factory=list)   # parallel; None while running
     cached_tokens: list[int] = field(default_factory=list)           # parallel; prefix-cache hits
     logprobs: list | None = None                   # parallel, entries None or [logprob, [[id, lp], …]]
-    prompt_logprobs: list | None = None            # parallel, entries None or, on a request's first sampled
-                                                   # token when it asked, one entry per prompt token: None (the
-                                                   # first) or [logprob, [[id, lp], …]]; None when none is set
+    prompt_logprobs: list | None = field(default=None, metadata=_EACH_PLPS)  # parallel, entries None or, on a
+                                                   # request's first sampled token when it asked, its prompt's
+                                                   # PromptLogprobs; None when none is set. An entry that is
+                                                   # not [int, bin, bin, bin] decodes as it came: the router
+                                                   # fails that request only
 
 
 @dataclass
@@ -216,9 +270,9 @@ _TYPES: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(Message)
 
 def prompt_logprobs_bytes(num_tokens: int, n: int) -> int:
     """An upper bound on the bytes that a prompt of `num_tokens` with prompt_logprobs=`n` adds to a Delta: per
-    token its packed id (4), and an entry [id (≤5), float64 (9), [[id, lp] (15 each) × n]] with its array
-    headers (4); a StepTokens entry (no id, no prompt ids) is smaller."""
-    return num_tokens * (22 + 15 * n)
+    token its packed id (4), per position after the first its packed logprob (4) and n ids and logprobs (8 n),
+    and 32 for the msgpack headers; a StepTokens entry (no prompt ids) is smaller."""
+    return num_tokens * (8 + 8 * n) + 32
 
 
 def _pack_ids(ids: list[int]) -> bytes:
@@ -231,11 +285,26 @@ def _pack_ids(ids: list[int]) -> bytes:
 def _unpack_ids(b: Any, name: str) -> list[int]:
     if not isinstance(b, bytes) or len(b) % 4:
         raise ProtocolError(f"field {name!r} must be a packed uint32 array")
-    a = array.array("I")
-    a.frombytes(b)
-    if sys.byteorder != "little":
-        a.byteswap()
-    return a.tolist()
+    return _unpack(b, "I")
+
+
+def _as_prompt_logprobs(x: Any) -> Any:
+    """A wire [n, own, top_ids, top_logprobs] as PromptLogprobs, when it is one; else x as it came."""
+    if type(x) is list and len(x) == 4 and (p := PromptLogprobs(*x)).well_formed():
+        return p
+    return x
+
+
+def _unpack_prompt_logprobs(x: Any, name: str) -> PromptLogprobs:
+    if type(p := _as_prompt_logprobs(x)) is not PromptLogprobs:
+        raise ProtocolError(f"field {name!r} must be [n, own, top_ids, top_logprobs] of packed arrays")
+    return p
+
+
+def _unpack_each_prompt_logprobs(x: Any, name: str) -> list:
+    if type(x) is not list:
+        raise ProtocolError(f"field {name!r} must be a list")
+    return [None if e is None else _as_prompt_logprobs(e) for e in x]
 
 
 def encode(msg: Message) -> bytes:
@@ -285,8 +354,8 @@ def _from_fields(name: str, frame: dict[str, Any]) -> Any:
                 raise ProtocolError(f"{name}: missing field {f.name!r}")
             continue
         value = frame[f.name]
-        if value is not None and f.ids:
-            value = _unpack_ids(value, f.name)
+        if value is not None and f.unpack is not None:
+            value = f.unpack(value, f.name)
         elif not f.check(value):
             raise ProtocolError(f"{name}.{f.name}: {type(value).__name__} does not match {f.hint}")
         elif value is not None and f.of is not None:
@@ -297,6 +366,10 @@ def _from_fields(name: str, frame: dict[str, Any]) -> Any:
     if len(kwargs) < len(frame):
         extra = set(frame) - set(kwargs)
         raise ProtocolError(f"{name}: unknown fields {sorted(extra, key=repr)}")
+    if name == "Delta" and kwargs.get("prompt_logprobs") is not None:
+        ids = kwargs.get("prompt_ids")
+        if ids is None or len(ids) != kwargs["prompt_logprobs"].num_positions + 1:
+            raise ProtocolError("Delta: prompt_logprobs need the prompt's ids, one position per token after the first")
     return _TYPES[name](**kwargs)
 
 
@@ -311,6 +384,7 @@ class _FieldSpec(NamedTuple):
     required: bool                     # no default
     ids: bool                          # a packed token-id array on the wire
     of: str | None                     # a list of this message type, each as a map of its fields
+    unpack: Callable[[Any, str], Any] | None   # turns a packed wire value (not None) into the field's value
 
 
 def _checker(hint: Any) -> Callable[[Any], bool]:
@@ -343,11 +417,15 @@ def _checker(hint: Any) -> Callable[[Any], bool]:
     return lambda v: isinstance(v, hint)
 
 
+_UNPACK = {"one": _unpack_prompt_logprobs, "each": _unpack_each_prompt_logprobs}
+
+
 def _spec(cls: type) -> list[_FieldSpec]:
     hints = typing.get_type_hints(cls)
     return [_FieldSpec(f.name, hints[f.name], _checker(hints[f.name]),
                        f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
-                       bool(f.metadata.get("ids")), f.metadata["of"].__name__ if "of" in f.metadata else None)
+                       bool(f.metadata.get("ids")), f.metadata["of"].__name__ if "of" in f.metadata else None,
+                       _unpack_ids if f.metadata.get("ids") else _UNPACK.get(f.metadata.get("plps")))
             for f in dataclasses.fields(cls)]
 
 

@@ -95,30 +95,41 @@ def test_prompt_logprobs_in_the_local_pipeline(model_dir, prompts, expected):
 
 def test_request_state_keeps_logprobs_only_for_a_response(model_dir, prompts):
     """RequestState hands the prompt's and the tokens' logprobs out in their chunks; by default (the router's,
-    which only streams) it keeps none of them, and with keep_logprobs (the pipeline's generate) it gathers
-    them for response()."""
+    which only streams) it keeps none of them and leaves the prompt's packed, for its owner to take and forward
+    as they came; with decode_prompt_logprobs (the pipeline's stream) the chunk has them as Logprobs, and with
+    keep_logprobs (the pipeline's generate) they are also gathered for response()."""
     from types import SimpleNamespace as NS
 
     from transformers import AutoTokenizer
 
+    from mii_async.outputs import Logprob
     from mii_async.params import SamplingParams
     from mii_async.router.request_state import RequestState
+    from tests.packed_logprobs import pack
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     prompt = prompts[2]
     params = SamplingParams.from_kwargs(max_new_tokens=2, logprobs=1, prompt_logprobs=1)
-    plps = [None] + [NS(logprob=-1.0 - i, top=[(7, -0.5)]) for i in range(1, len(prompt))]
+    plps = pack([(-1.0 - i, [(7, -0.5)]) for i in range(1, len(prompt))], 1)
+    want = [None] + [Logprob(t, -1.0 - i, [(7, -0.5)]) for i, t in enumerate(prompt[1:], 1)]
     events = [NS(token_id=5, logprobs=NS(logprob=-0.25, top=[(5, -0.25)]), finish_reason=None, cached_tokens=0,
                  prompt_logprobs=plps),
               NS(token_id=6, logprobs=NS(logprob=-0.5, top=[(6, -0.5)]), finish_reason="length", cached_tokens=0,
-                 prompt_logprobs=None)]
-    for keep in (False, True):
-        state = RequestState(tok, None, list(prompt), params, **({"keep_logprobs": True} if keep else {}))
-        chunks = [state.on_event(ev) for ev in events]
-        assert [lp and lp.logprob for lp in chunks[0].prompt_logprobs] == [None] + [e.logprob for e in plps[1:]]
+                 prompt_logprobs=plps)]          # (a second copy is ignored: they belong to the first chunk)
+    for mode in ({}, {"decode_prompt_logprobs": True}, {"keep_logprobs": True}):
+        state = RequestState(tok, None, list(prompt), params, **mode)
+        chunks, packed = [], []
+        for ev in events:
+            chunks.append(state.on_event(ev))
+            packed.append(state.packed_prompt_logprobs)
+            state.packed_prompt_logprobs = None          # as the router takes them
         assert [c.logprobs[0].logprob for c in chunks] == [-0.25, -0.5] and chunks[1].prompt_logprobs is None
-        if keep:
-            r = state.response()
-            assert r.prompt_logprobs == chunks[0].prompt_logprobs and [lp.token_id for lp in r.logprobs] == [5, 6]
+        if mode:
+            assert chunks[0].prompt_logprobs == want and packed == [None, None]
         else:
-            assert state.prompt_logprobs is None and state.logprobs is None, "the router holds logprobs"
+            assert chunks[0].prompt_logprobs is None and packed == [plps, None]
+        if "keep_logprobs" in mode:
+            r = state.response()
+            assert r.prompt_logprobs == want and [lp.token_id for lp in r.logprobs] == [5, 6]
+        else:
+            assert state.prompt_logprobs is None and state.logprobs is None, "the state holds logprobs"

@@ -7,6 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mii_async import protocol as p
+from mii_async.outputs import Logprob
+from tests.packed_logprobs import pack
+
+PLPS = pack([(-2.5, [(3, -0.125), (9, -3.0)])], 2)     # a 2-token prompt's, 2 alternatives
 
 SAMPLES = [
     p.Generate("r1", prompt="héllo 你好", params={"max_new_tokens": 3, "stop": ["\n"]}),
@@ -22,8 +26,9 @@ SAMPLES = [
     p.AddRequest(7, [1, 2, 3], {"temperature": 0.5}),
     p.AbortRequest(7),
     p.StepTokens([7, 8], [11, 12], [None, "length"], [0, 16], [None, [-0.5, [[12, -0.5]]]]),
-    p.StepTokens([7, 8], [11, 12], [None, None], [0, 0], None, [[None, [-2.5, [[3, -0.1]]]], None]),
-    p.Delta("r1", "a", [5], None, None, None, None, [1, 3], [None, [3, -2.5, [[3, -2.5], [9, -3.0]]]]),
+    p.StepTokens([7, 8], [11, 12], [None, None], [0, 0], None, [PLPS, None]),
+    p.Delta("r1", "a", [5], None, None, None, None, [1, 3], PLPS),
+    p.Delta("r1", "a", [5], None, None, None, None, [1], pack([], 0)),
     p.Ready(0, 1, {"num_blocks": 10}),
     p.Heartbeat(0, {"used_blocks": 3}),
     p.RequestFailed(7, "boom"),
@@ -46,17 +51,70 @@ def test_a_batch_packs_each_deltas_token_ids():
 
 @pytest.mark.parametrize("n", [0, 1, 15, 16, 20])
 def test_prompt_logprobs_bytes_bounds_the_encoded_size(n):
-    """prompt_logprobs_bytes is an upper bound on what a prompt's logprobs (largest ids, float64s) and its
-    packed ids add to a Delta, and on what they add to a StepTokens."""
-    top = [[2**32 - 1, -1.0 / 3]] * n
-    plps = [None] + [[2**32 - 1, -1.0 / 3, top]] * 999
-    ids = [2**32 - 1] * 1000
-    bare = len(p.encode(p.Delta("r", "", [5])))
-    assert len(p.encode(p.Delta("r", "", [5], None, None, None, None, ids, plps))) - bare <= \
-        p.prompt_logprobs_bytes(1000, n)
-    bare = len(p.encode(p.StepTokens([1], [5], [None], [0])))
-    assert len(p.encode(p.StepTokens([1], [5], [None], [0], None, [[e and e[1:] for e in plps]]))) - bare <= \
-        p.prompt_logprobs_bytes(1000, n)
+    """prompt_logprobs_bytes is an upper bound on what a prompt's packed logprobs and its packed ids add to a
+    Delta, and on what they add to a StepTokens; it is tight to 0.1 % (4 + 8n bytes a position, 4 an id)."""
+    for length in (1, 2, 1000):
+        plps = pack([(-1.0 / 3, [(2**32 - 1, -1.0 / 3)] * n)] * (length - 1), n)
+        ids = [2**32 - 1] * length
+        bare = len(p.encode(p.Delta("r", "", [5])))
+        added = len(p.encode(p.Delta("r", "", [5], None, None, None, None, ids, plps))) - bare
+        assert added <= p.prompt_logprobs_bytes(length, n)
+        bare = len(p.encode(p.StepTokens([1], [5], [None], [0])))
+        assert len(p.encode(p.StepTokens([1], [5], [None], [0], None, [plps]))) - bare <= added
+    assert p.prompt_logprobs_bytes(1000, n) - added <= 0.001 * added + 32
+
+
+def test_prompt_logprobs_travel_packed():
+    """A prompt's logprobs travel as [n, own, top_ids, top_logprobs]: float32 and uint32 little-endian bins, not
+    msgpack lists, and decode to Logprobs with the prompt's ids (None first, top best first)."""
+    frame = msgpack.unpackb(p.encode(p.Delta("r", "", [5], None, None, None, None, [1, 3], PLPS)))
+    assert frame["prompt_logprobs"] == [2, b"\x00\x00\x20\xc0", bytes([3, 0, 0, 0, 9, 0, 0, 0]),
+                                        b"\x00\x00\x00\xbe\x00\x00\x40\xc0"]
+    d = p.decode(p.encode(p.Delta("r", "", [5], None, None, None, None, [1, 3], PLPS)))
+    assert d.prompt_logprobs.to_logprobs(d.prompt_ids) == [None, Logprob(3, -2.5, [(3, -0.125), (9, -3.0)])]
+    assert pack([(-1.0, [])] * 3, 0).to_logprobs([1, 2, 3, 4]) == [None] + [Logprob(t, -1.0, []) for t in (2, 3, 4)]
+
+
+def _delta_frame(plps, prompt_ids=(1, 3)):
+    return msgpack.packb({"v": V, "t": "Delta", "req_id": "r", "text": "", "token_ids": b"",
+                          "prompt_ids": p._pack_ids(list(prompt_ids)), "prompt_logprobs": plps})
+
+
+@pytest.mark.parametrize("plps", [
+    [2, b"\x00" * 4, b"\x00" * 8],                      # three parts
+    [2, b"\x00" * 4, b"\x00" * 8, b"\x00" * 4],         # top logprobs shorter than top ids
+    [2, b"\x00" * 4, b"\x00" * 4, b"\x00" * 4],         # n = 2 but one alternative
+    [1, b"\x00" * 3, b"\x00" * 3, b"\x00" * 3],         # not whole float32s
+    [-1, b"", b"", b""], [True, b"\x00" * 4, b"\x00" * 4, b"\x00" * 4], [1, "a", b"", b""],
+    [0, [1.0], b"", b""], {"n": 0}, b"",
+])
+def test_a_delta_with_malformed_prompt_logprobs_is_a_bad_frame(plps):
+    """A Delta's prompt logprobs must be well formed (the router checked them; a client refuses the frame)."""
+    with pytest.raises(p.ProtocolError, match="prompt_logprobs"):
+        p.decode(_delta_frame(plps))
+
+
+def test_a_delta_with_prompt_logprobs_needs_the_prompts_ids():
+    """One position per prompt token after the first, the ids in the same Delta: else a bad frame."""
+    good = list(PLPS)
+    assert p.decode(_delta_frame(good)).prompt_logprobs == PLPS
+    with pytest.raises(p.ProtocolError, match="prompt's ids"):
+        p.decode(_delta_frame(good, (1, 3, 4)))
+    with pytest.raises(p.ProtocolError, match="prompt's ids"):
+        p.decode(msgpack.packb({"v": V, "t": "Delta", "req_id": "r", "text": "", "token_ids": b"",
+                                "prompt_logprobs": good}))
+
+
+def test_step_tokens_keep_a_malformed_entry_for_the_router():
+    """A StepTokens entry that is not a PromptLogprobs decodes as it came (the router fails that request
+    only); well-formed ones become PromptLogprobs; the field itself must be a list."""
+    frame = {"v": V, "t": "StepTokens", "req_ids": [1, 2, 3], "token_ids": p._pack_ids([5, 6, 7]),
+             "finish_reasons": [None] * 3, "cached_tokens": [0] * 3, "logprobs": None,
+             "prompt_logprobs": [list(PLPS), [2, b"", b"x", b""], None]}
+    msg = p.decode(msgpack.packb(frame))
+    assert msg.prompt_logprobs == [PLPS, [2, b"", b"x", b""], None] and type(msg.prompt_logprobs[0]) is p.PromptLogprobs
+    with pytest.raises(p.ProtocolError, match="prompt_logprobs"):
+        p.decode(msgpack.packb({**frame, "prompt_logprobs": list(PLPS)[1]}))
 
 
 def test_token_ids_are_packed():

@@ -21,6 +21,7 @@ from mii_async.errors import InvalidParameterError
 from mii_async.kernels import get_ops, resolve_backend
 from mii_async.model_source import resolve_model
 from mii_async.params import SamplingParams
+from mii_async.protocol import PromptLogprobs
 from mii_async.request_limits import RequestLimits
 
 from . import kv_cache
@@ -32,7 +33,7 @@ from .loader import TensorReader, WeightReader, load_spec
 from .memory_plan import MemoryPlan, plan_kv, profile_step
 from .models.llama import LlamaModel
 from .parallel import TPGroup
-from .prompt_logprobs import PendingScores, launch_scores, read_scores
+from .prompt_logprobs import PendingScores, launch_scores, packed, read_scores
 from .runner import Runner
 from .sampler import PendingSample, Sampler, TokenLogprobs
 from .scheduler import Scheduler
@@ -48,8 +49,8 @@ class EngineOutput(NamedTuple):
     logprobs: TokenLogprobs | None
     finish_reason: str | None           # "stop" (EOS / stop id) | "length" | None while running
     cached_tokens: int                  # prompt tokens this request took from the prefix cache
-    # params.prompt_logprobs: on a request's first token only, one entry per prompt token (None for the first)
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # params.prompt_logprobs: on a request's first token only, packed as they travel (positions 1 … L−1)
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class _InFlight(NamedTuple):
@@ -340,7 +341,7 @@ class Engine:
                 register(seq)                # blocks whose hashing waited on this token (synchronous steps
                                              # commit with no placeholder, so they hashed them already)
             outputs.append(EngineOutput(seq.req_id, tok, lp, reason, seq.num_cached_prompt_tokens,
-                                        seq.prompt_lps if at == 0 else None))
+                                        packed(seq) if at == 0 and seq.prompt_lps is not None else None))
         return outputs, finished
 
     def _finish(self, seqs: list[Sequence]) -> None:

@@ -1,13 +1,16 @@
 """Prompt logprobs: each prompt token's logprob given the tokens before it, from the logits of the rows a step
 scores (`ScheduledSeq.score_from` / `score_to`, planned by the scheduler), computed on the device when the step
-is launched and read with its sampled ids."""
+is launched and read with its sampled ids as numpy chunks, packed once for the request's first token in the
+form they travel in (protocol.PromptLogprobs): no Python object per position on the engine's loop."""
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import torch
 
-from .sampler import TokenLogprobs, to_device
+from mii_async import protocol as P
+
+from .sampler import to_device
 from .sequence import Sequence, Status
 from .step_plan import StepPlan
 
@@ -40,12 +43,25 @@ def launch_scores(plan: StepPlan, seqs: list[Sequence], logits: torch.Tensor) ->
 
 
 def read_scores(p: PendingScores) -> None:
-    """Appends each scored sequence's prompt logprobs, once the step's sampled ids have been read (which waits
-    for these copies too). A sequence ended since the launch is left alone."""
-    own, top_v, top_i = (t.tolist() for t in p.host)
+    """Appends each scored sequence's rows to its `prompt_lps` as one chunk of little-endian arrays (own [count]
+    float32, top ids [count, n] uint32, top logprobs [count, n] float32), once the step's sampled ids have been
+    read (which waits for these copies too). A sequence ended since the launch is left alone."""
+    own, top_v, top_i = (t.numpy() for t in p.host)     # host tensors: views, no copy
     row = 0
     for (seq, count), n in zip(p.spans, p.top_n):
         if seq.status is not Status.FINISHED:
-            seq.prompt_lps.extend(TokenLogprobs(own[j], list(zip(top_i[j][:n], top_v[j][:n])))  # type: ignore[union-attr]
-                                  for j in range(row, row + count))
+            end = row + count
+            seq.prompt_lps.append((own[row:end].astype("<f4"),      # type: ignore[union-attr]
+                                   top_i[row:end, :n].astype("<u4"), top_v[row:end, :n].astype("<f4")))
         row += count
+
+
+def packed(seq: Sequence) -> P.PromptLogprobs:
+    """The sequence's prompt logprobs as they travel (every position scored: its first token was just read);
+    its chunks are dropped, nothing reads them again."""
+    chunks = seq.prompt_lps
+    assert chunks is not None and sum(len(c[0]) for c in chunks) == len(seq.prompt_ids) - 1, \
+        "prompt logprobs are packed once every prompt position is scored"
+    out = P.PromptLogprobs(seq.params.prompt_logprobs or 0, *(b"".join(c[i] for c in chunks) for i in range(3)))
+    chunks.clear()
+    return out

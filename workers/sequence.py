@@ -42,8 +42,10 @@ class Sequence:
     history_free: bool = field(init=False)
     guide: Any = None                    # guided generation: its RequestGuide (workers/guides.py), set at
                                          # admission, advanced by each token read
-    # Prompt logprobs (params.prompt_logprobs): entry i is prompt token i's (None for the first), appended as
-    # steps are read; `num_scored` prompt positions have been planned (position p gives token p + 1's).
+    # Prompt logprobs (params.prompt_logprobs): the scored positions' values as numpy chunks (own, top ids, top
+    # logprobs; workers/prompt_logprobs.py), appended in position order as steps are read and packed (then
+    # dropped) for the first token; `num_scored` prompt positions have been planned (position p gives token
+    # p + 1's).
     prompt_lps: list | None = field(init=False)
     num_scored: int = 0
     arrival: int = 0                     # the engine's count of requests added before this one: the waiting
@@ -55,7 +57,7 @@ class Sequence:
                              and p.guide is None)     # a guide's next mask follows the last token
         self.plain = (p.greedy and p.logprobs is None and p.min_new_tokens == 0 and self.history_free
                       and not p.logit_bias)
-        self.prompt_lps = [None] if p.prompt_logprobs is not None else None
+        self.prompt_lps = [] if p.prompt_logprobs is not None else None
         if not self.max_tokens:
             self.max_tokens = len(self.prompt_ids) + p.max_new_tokens
 

@@ -196,7 +196,7 @@ class Worker:
         group: list = []
         size = 0
         for o in outputs:
-            add = _prompt_logprobs_bytes(o.prompt_logprobs)
+            add = _packed_bytes(o.prompt_logprobs)
             if group and size + add > STEP_FRAME_BYTES:
                 self._send_step(group, True)
                 group, size = [], 0
@@ -207,11 +207,9 @@ class Worker:
     def _send_step(self, outputs: list, prompt_lps: bool) -> None:
         lps = [None if o.logprobs is None else [o.logprobs.logprob, [list(t) for t in o.logprobs.top]]
                for o in outputs]
-        plps = None
+        plps = None                                   # packed as the engine gave them: sent as they are
         if prompt_lps:
-            plps = [None if o.prompt_logprobs is None else
-                    [None if e is None else [e.logprob, [list(t) for t in e.top]] for e in o.prompt_logprobs]
-                    for o in outputs]
+            plps = [o.prompt_logprobs for o in outputs]
             if all(p is None for p in plps):
                 plps = None
         self.sock.send(P.StepTokens([o.req_id for o in outputs], [o.token_id for o in outputs],
@@ -237,14 +235,14 @@ class Worker:
             hb.close()
 
 
-_prompt_lps = attrgetter("prompt_logprobs")     # a non-empty list when set
+_prompt_lps = attrgetter("prompt_logprobs")     # a PromptLogprobs (a non-empty tuple) when set
 
 
-def _prompt_logprobs_bytes(plps: list | None) -> int:
-    """The wire size bound of one output's prompt logprobs (every entry has the request's n alternatives)."""
+def _packed_bytes(plps: P.PromptLogprobs | None) -> int:
+    """One output's prompt logprobs on the wire: their three arrays and a few bytes of msgpack headers."""
     if plps is None:
         return 0
-    return P.prompt_logprobs_bytes(len(plps), next((len(e.top) for e in plps if e is not None), 0))
+    return 24 + len(plps.own) + len(plps.top_ids) + len(plps.top_logprobs)
 
 
 def _peak_rss_mib() -> int:

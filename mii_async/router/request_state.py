@@ -8,7 +8,12 @@ The first chunk carries the prompt's ids.
 Logprobs live in the chunk that carries them. Only an owner that will call `response()` (the local pipeline's
 generate) passes `keep_logprobs=True` to have them gathered for the whole request: a prompt's logprobs may be
 ~100 MB of Python objects (39k tokens × 21 entries), and the router, which only streams, must not hold them for
-the request's life. Imports no torch.
+the request's life.
+
+A prompt's logprobs come packed (protocol.PromptLogprobs). The local pipeline passes `decode_prompt_logprobs`
+(implied by keep_logprobs) to have them as Logprob objects in their chunk; the router does not: its chunk has
+none, and the packed form waits in `packed_prompt_logprobs` for the owner to take and forward as it came,
+without a Python object per position on its loop. Imports no torch.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from typing import Any, NamedTuple
 
 from ..outputs import Logprob, Response, StreamChunk, Usage
 from ..params import SamplingParams
+from ..protocol import PromptLogprobs
 from .detokenizer import IncrementalDetokenizer
 
 
@@ -27,7 +33,7 @@ class Ended(NamedTuple):
 
 class RequestState:
     def __init__(self, tokenizer: Any, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-                 keep_logprobs: bool = False) -> None:
+                 keep_logprobs: bool = False, decode_prompt_logprobs: bool = False) -> None:
         self.prompt = prompt
         self.prompt_ids = prompt_ids
         self.params = params
@@ -39,6 +45,10 @@ class RequestState:
         # both None unless kept: the sampled tokens' (one per token), the prompt's (set by the first token's event)
         self.logprobs: list[Logprob] | None = [] if params.logprobs is not None and keep_logprobs else None
         self.prompt_logprobs: list[Logprob | None] | None = None
+        self.decode_prompt_logprobs = decode_prompt_logprobs or keep_logprobs
+        # without decode_prompt_logprobs: the prompt's logprobs of the chunk just returned, packed, for its
+        # owner to send with that chunk and set back to None
+        self.packed_prompt_logprobs: PromptLogprobs | None = None
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.needs_abort = False          # set when a stop string ended the request before the engine did
@@ -68,11 +78,12 @@ class RequestState:
         plps = None
         if self.params.prompt_logprobs is not None and ev.prompt_logprobs is not None and not self._started:
             # only the first token's event carries them, and it makes the first chunk
-            assert len(ev.prompt_logprobs) == len(self.prompt_ids), "prompt logprobs must be one per prompt token"
-            plps = [None if e is None else Logprob(t, e.logprob, list(e.top))
-                    for t, e in zip(self.prompt_ids, ev.prompt_logprobs)]
-            if self.keep_logprobs:
-                self.prompt_logprobs = plps
+            if self.decode_prompt_logprobs:
+                plps = ev.prompt_logprobs.to_logprobs(self.prompt_ids)
+                if self.keep_logprobs:
+                    self.prompt_logprobs = plps
+            else:
+                self.packed_prompt_logprobs = ev.prompt_logprobs
         delta = self._detok.push([tok])
         text = delta.text
         if delta.stopped:

@@ -5,7 +5,8 @@ mismatched routing id, a router that is stopping); Ready completes a replica; Lo
 when a restart cannot help). Heartbeats are echoed only to registered workers, and an unknown one is told to
 stop. Each StepTokens is fed, token by token, to its request's RequestState, and the resulting chunks stream to
 the clients, one frame per client per step; tokens of aborted requests and late ones from a dead generation are
-dropped.
+dropped. A request's prompt logprobs are checked on their packed bytes (numpy, a few passes) and forwarded to
+its client as they came, in a frame of their own; a malformed entry ends only its request.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import logging
 import math
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
 
 from .. import protocol as P
 from ..params import MAX_TOKEN_ID
@@ -33,12 +36,10 @@ BATCH_BYTES = 2**20
 
 
 def _delta_bytes(d: P.Delta) -> int:
-    """A Delta's frame size, roughly: 4 bytes a token id, the text, ~24 bytes a logprob entry, the rest."""
+    """A Delta's frame size, roughly: 4 bytes a token id, the text, ~24 bytes a logprob entry, the rest (a
+    Delta with prompt logprobs goes in a frame of its own)."""
     ids = len(d.token_ids) + (len(d.prompt_ids) if d.prompt_ids is not None else 0)
     lps = sum(2 + len(x[2]) for x in d.logprobs) if d.logprobs else 0
-    plps = d.prompt_logprobs
-    if plps:
-        lps += sum(2 + len(x[2]) for x in plps[1:2]) * (len(plps) - 1)   # every entry has the request's n
     return 64 + 4 * ids + 4 * len(d.text) + 24 * lps
 
 
@@ -47,10 +48,10 @@ class _TokenEvent(NamedTuple):      # what RequestState.on_event reads from a sa
     logprobs: Any
     finish_reason: str | None
     cached_tokens: int
-    prompt_logprobs: list | None    # on the first token, when asked: per prompt token None or _Logprobs
+    prompt_logprobs: P.PromptLogprobs | None   # on the first token, when asked: checked, still packed
 
 
-class _Logprobs(NamedTuple):
+class _Logprobs(NamedTuple):      # a sampled token's logprobs, as RequestState reads them
     logprob: float
     top: list
 
@@ -76,17 +77,24 @@ def _finite(v: Any) -> bool:
     return type(v) in (int, float) and math.isfinite(v)
 
 
-def _prompt_logprobs(entries: Any, prompt_len: int, n: int) -> list[_Logprobs | None] | None:
-    """A StepTokens entry's prompt logprobs as RequestState reads them, or None when malformed: one entry per
-    prompt token, the first None, each other [logprob, [[id, logprob], …]] with at most `n` alternatives."""
-    if not isinstance(entries, list) or len(entries) != prompt_len or entries[0] is not None:
+def _prompt_logprobs(x: Any, prompt_len: int, n: int, vocab_size: int) -> P.PromptLogprobs | None:
+    """A StepTokens entry's prompt logprobs, or None when malformed: PromptLogprobs of one position per prompt
+    token after the first, at most `n` alternatives, finite numbers (JSON carries no inf or nan), ids inside
+    the vocabulary. Checked with numpy on the packed bytes, which then go to the client as they came."""
+    if type(x) is not P.PromptLogprobs or not x.n <= n or x.num_positions != prompt_len - 1:
+        return None                                # (decode checked the shape: lengths agree with n)
+    own = np.frombuffer(x.own, "<f4")
+    lps = np.frombuffer(x.top_logprobs, "<f4")
+    if not (np.isfinite(own).all() and np.isfinite(lps).all()):
         return None
-    out: list[_Logprobs | None] = [None]
-    for x in entries[1:]:
-        if (e := _logprob_entry(x, n)) is None:
-            return None
-        out.append(e)
-    return out
+    if lps.size and int(np.frombuffer(x.top_ids, "<u4").max()) >= vocab_size:
+        return None
+    return x
+
+
+def _vocab_size(live: Any) -> int:
+    """The vocabulary of the replica that serves `live` (a ready one: its leader reported it in Ready)."""
+    return live.replica.workers[0].info.get("vocab_size", MAX_TOKEN_ID + 1)
 
 
 class WorkerLink:
@@ -178,18 +186,22 @@ class WorkerLink:
                 plp = msg.prompt_logprobs[i] if msg.prompt_logprobs is not None else None
                 params = live.state.params
                 if (lp is not None and (lp := _logprob_entry(lp, params.logprobs or 0)) is None) or (
-                        plp is not None and (plp := _prompt_logprobs(plp, len(live.state.prompt_ids),
-                                                                     params.prompt_logprobs or 0)) is None):
+                        plp is not None and (params.prompt_logprobs is None or (plp := _prompt_logprobs(
+                            plp, len(live.state.prompt_ids), params.prompt_logprobs, _vocab_size(live))) is None)):
                     log.warning("malformed logprobs from %r for request %d", peer, rid)
                     await r.end(live, Ended("error", "the replica sent malformed logprobs"), tell_replica=True)
                     continue
                 ev = _TokenEvent(msg.token_ids[i], lp, msg.finish_reasons[i], msg.cached_tokens[i], plp)
                 chunk = live.state.on_event(ev)
-                if chunk is not None and chunk.prompt_logprobs is not None:
-                    # up to MAX_PROMPT_LOGPROBS_BYTES: a frame of its own, after the client's deltas so far
+                packed, live.state.packed_prompt_logprobs = live.state.packed_prompt_logprobs, None
+                if chunk is not None and packed is not None:
+                    # up to MAX_PROMPT_LOGPROBS_BYTES: a frame of its own, after the client's deltas so far;
+                    # the bytes go on as the worker packed them
                     if (queued := batches.pop(live.peer, None)) is not None:
                         await r.send_deltas(live.peer, queued[0])
-                    await r.send_deltas(live.peer, [r.delta(live, chunk)])
+                    d = r.delta(live, chunk)
+                    d.prompt_logprobs = packed
+                    await r.send_deltas(live.peer, [d])
                 elif chunk is not None:
                     d = r.delta(live, chunk)
                     deltas, size = batches.setdefault(live.peer, ([], [0]))

@@ -13,6 +13,7 @@ import mii_async
 from mii_async import protocol as P
 from mii_async.outputs import Logprob
 from tests.mesh_helpers import until, wait_gone, with_word_tokenizer
+from tests.packed_logprobs import pack, raw
 
 LIMITS = {"vocab_size": 320, "max_model_len": 100_000, "max_request_tokens": 100_000, "num_blocks": 8,
           "block_size": 16}
@@ -75,15 +76,15 @@ def _loop(client):
 
 
 def test_prompt_logprobs_reach_the_client(router):
-    """A worker's prompt logprobs ([logprob, [[id, lp], …]] per prompt token, None first) arrive as Logprobs
-    with the prompt's token ids; a StepTokens whose prompt_logprobs list is not parallel to its requests is
-    dropped whole (the request's tokens are those of the next, valid one)."""
+    """A worker's packed prompt logprobs arrive as Logprobs with the prompt's token ids; a StepTokens whose
+    prompt_logprobs list is not parallel to its requests is dropped whole (the request's tokens are those of
+    the next, valid one)."""
     client, w = router
     prompt = [1, 5, 9, 33]
     fut = _ask(client, prompt, max_new_tokens=2, prompt_logprobs=2)
     add = w.recv(P.AddRequest)
     assert add.prompt_ids == prompt and add.params["prompt_logprobs"] == 2
-    plps = [None] + [[-1.0 - i, [[5, -0.5], [6, -1.5]]] for i in range(3)]
+    plps = pack([(-1.0 - i, [(5, -0.5), (6, -1.5)]) for i in range(3)], 2)
     w.send(P.StepTokens([add.req_id], [7], [None], [0], None, [plps, None]))         # not parallel: dropped
     w.send(P.StepTokens([add.req_id], [8], [None], [0], None, [plps]))
     w.send(P.StepTokens([add.req_id], [9], ["length"], [0]))
@@ -93,36 +94,90 @@ def test_prompt_logprobs_reach_the_client(router):
                                           for i, t in enumerate(prompt[1:])]
 
 
-@pytest.mark.parametrize("bad", [
-    [None, [-1.0, []]],                                # one entry short
-    [[-0.1, []], [-1.0, []], [-1.0, []], [-1.0, []]],  # the first token has a logprob
-    [None, [-1.0, []], [-1.0], [-1.0, []]],            # an entry without its top list
-    [None, [-1.0, []], [-1.0, [[5]]], [-1.0, []]],     # a top pair without its logprob
-    [None, [-1.0, []], "x", [-1.0, []]],
-    [None, [-1.0, []], [-1.0, [[float("inf"), -0.5]]], [-1.0, []]],   # an id int() overflows on
-    [None, [-1.0, []], [-1.0, [[5.0, -0.5]]], [-1.0, []]],            # an id that is a float
-    [None, [-1.0, []], [-1.0, [[-3, -0.5]]], [-1.0, []]],             # a negative id
-    [None, [-1.0, []], [float("nan"), []], [-1.0, []]],              # JSON carries no nan
-    [None, [-1.0, []], ["-inf", []], [-1.0, []]],                    # nor a string for a number
-    [None, [-1.0, []], [-1.0, [[5, -0.5], [6, -1.0]]], [-1.0, []]],   # more alternatives than the 1 asked
-])
-def test_malformed_prompt_logprobs_fail_the_request(router, bad):
-    """Prompt logprobs that do not match the request (its prompt, the alternatives it asked for, finite
-    numbers, token ids) end it with finish_reason "error" (and an abort to the replica) instead of reaching
-    the client malformed; a request beside it in the same StepTokens gets its token."""
+def test_the_router_forwards_the_packed_bytes(router):
+    """The client's Delta carries the prompt logprobs byte for byte as the worker sent them (nothing decoded
+    and re-encoded in the router), with the prompt's ids, in a frame of its own: read here on a raw socket."""
     client, w = router
+    prompt = [1] + [7] * 999
+    plps = pack([(-0.1 * (i % 50), [(i % 320, -0.01 * i), (3, -9.5)]) for i in range(999)], 2)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(client.address)
+        sock.send(P.encode(P.Generate("raw", prompt_ids=prompt, params={"max_new_tokens": 1,
+                                                                        "prompt_logprobs": 2})))
+        add = w.recv(P.AddRequest)
+        w.send(P.StepTokens([add.req_id], [5], ["length"], [0], None, [plps]))
+        assert sock.poll(30_000), "no Delta"
+        d = P.decode(sock.recv())
+        assert isinstance(d, P.Delta) and d.prompt_ids == prompt and d.token_ids == [5]
+        assert d.prompt_logprobs == plps and d.finish_reason == "length"
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def _bad_cases():
+    good = [(-1.0, [(5, -0.5)])] * 3
+    return {
+        "one position short": pack(good[:2], 1),
+        "one position too many": pack(good * 2, 1),
+        "top arrays of 2 for n=1": raw(1, [-1.0] * 3, [5, 6] * 3, [-0.5, -1.0] * 3),
+        "top ids shorter than top logprobs": [1, pack(good, 1).own, b"\x05\x00\x00\x00",
+                                              pack(good, 1).top_logprobs],
+        "a length not a whole float32": [1, b"\x00" * 11, b"\x00" * 11, b"\x00" * 11],
+        "n larger than asked": pack([(-1.0, [(5, -0.5), (6, -1.0)])] * 3, 2),
+        "a nan logprob": pack([good[0], (float("nan"), [(5, -0.5)]), good[0]], 1),
+        "an inf logprob": pack([good[0], (float("-inf"), [(5, -0.5)]), good[0]], 1),
+        "an inf top logprob": pack([good[0], (-1.0, [(5, float("inf"))]), good[0]], 1),
+        "an id outside the vocabulary": pack([good[0], (-1.0, [(320, -0.5)]), good[0]], 1),
+        "the largest id": pack([good[0], (-1.0, [(2**32 - 1, -0.5)]), good[0]], 1),
+        "a negative n": [-1, b"", b"", b""],
+        "a list, not packed": [None, [-1.0, [[5, -0.5]]], [-1.0, [[5, -0.5]]], [-1.0, [[5, -0.5]]]],
+        "a string": "x",
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_cases()))
+def test_malformed_prompt_logprobs_fail_the_request(router, case):
+    """Prompt logprobs that do not match the request (one position per prompt token after the first, at most
+    the alternatives it asked for, finite numbers, ids in the vocabulary) end it with finish_reason "error"
+    (and an abort to the replica) instead of reaching the client malformed; a request beside it in the same
+    StepTokens gets its token and its own prompt logprobs, and the next request is served as usual."""
+    client, w = router
+    bad = _bad_cases()[case]
     fut = _ask(client, [1, 5, 9, 33], max_new_tokens=2, prompt_logprobs=1)
     add = w.recv(P.AddRequest)
-    other = _ask(client, [1, 5], max_new_tokens=1, logprobs=1)
+    other = _ask(client, [1, 5], max_new_tokens=1, logprobs=1, prompt_logprobs=3)
     add2 = w.recv(P.AddRequest)
+    good = pack([(-0.75, [(4, -0.5), (5, -0.75), (6, -2.0)])], 3)
     w.send(P.StepTokens([add.req_id, add2.req_id], [8, 9], [None, "length"], [0, 0],
-                        [None, [-0.25, [[9, -0.25]]]], [bad, None]))
+                        [None, [-0.25, [[9, -0.25]]]], [bad, good]))
     assert w.recv(P.AbortRequest).req_id == add.req_id
     [r] = fut.result(30)
     assert r.finish_reason == "error" and "malformed logprobs" in r.error
     assert r.prompt_logprobs is None
     [r2] = other.result(30)
     assert r2.token_ids == [9] and r2.logprobs == [Logprob(9, -0.25, [(9, -0.25)])]
+    assert r2.prompt_logprobs == [None, Logprob(5, -0.75, [(4, -0.5), (5, -0.75), (6, -2.0)])]
+    after = _ask(client, [1, 5, 9, 33], max_new_tokens=1, prompt_logprobs=1)
+    add3 = w.recv(P.AddRequest)
+    w.send(P.StepTokens([add3.req_id], [8], ["length"], [0], None, [pack([(-1.0, [(5, -0.5)])] * 3, 1)]))
+    [r3] = after.result(30)
+    assert r3.finish_reason == "length"
+    assert r3.prompt_logprobs == [None] + [Logprob(t, -1.0, [(5, -0.5)]) for t in (5, 9, 33)]
+
+
+def test_prompt_logprobs_a_request_did_not_ask_for_fail_it(router):
+    """A worker that sends prompt logprobs to a request without prompt_logprobs ends it with an error."""
+    client, w = router
+    fut = _ask(client, [1, 5], max_new_tokens=2)
+    add = w.recv(P.AddRequest)
+    w.send(P.StepTokens([add.req_id], [8], [None], [0], None, [pack([(-1.0, [])], 0)]))
+    assert w.recv(P.AbortRequest).req_id == add.req_id
+    [r] = fut.result(30)
+    assert r.finish_reason == "error" and "malformed logprobs" in r.error
 
 
 @pytest.mark.parametrize("bad", [[float("inf"), []], [-1.0, [[9, -0.5], [8, -1.0]]], [-1.0, [[-1, -0.5]]]])
@@ -138,8 +193,8 @@ def test_malformed_sampled_logprobs_fail_the_request(router, bad):
 
 
 def test_prompt_logprobs_too_big_for_a_frame_are_refused(router):
-    """A prompt whose logprobs could not travel in one frame (here 40,000 tokens × 20 alternatives) is refused
-    at once naming prompt_logprobs; with 1 alternative the same prompt is admitted."""
+    """A prompt whose logprobs could not travel in one frame (here 40,000 tokens × 20 alternatives, 6.4 MiB
+    packed) is refused at once naming prompt_logprobs; with 1 alternative the same prompt is admitted."""
     client, w = router
     prompt = [1] + [5] * 39_999
     with pytest.raises(mii_async.RequestTooLongError) as e:
@@ -148,7 +203,7 @@ def test_prompt_logprobs_too_big_for_a_frame_are_refused(router):
     assert P.prompt_logprobs_bytes(len(prompt), 20) > P.MAX_PROMPT_LOGPROBS_BYTES
     fut = _ask(client, prompt, max_new_tokens=1, prompt_logprobs=1)
     add = w.recv(P.AddRequest)
-    plps = [None] + [[-2.0, [[5, -0.1]]]] * (len(prompt) - 1)
+    plps = pack([(-2.0, [(5, -0.125)])] * (len(prompt) - 1), 1)
     w.send(P.StepTokens([add.req_id], [5], ["length"], [0], None, [plps]))
     [r] = fut.result(60)
-    assert len(r.prompt_logprobs) == len(prompt) and r.prompt_logprobs[-1] == Logprob(5, -2.0, [(5, -0.1)])
+    assert len(r.prompt_logprobs) == len(prompt) and r.prompt_logprobs[-1] == Logprob(5, -2.0, [(5, -0.125)])

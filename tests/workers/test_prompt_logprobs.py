@@ -42,7 +42,8 @@ def expected(tiny_model, prompts):
 
 
 def _run(engine, prompts, with_lp=None, **params):
-    """Every prompt at once; returns each request's (outputs, prompt_logprobs as the engine gave them)."""
+    """Every prompt at once; returns each request's (outputs, prompt_logprobs: the engine's packed form, read
+    as Logprobs)."""
     with_lp = set(range(len(prompts))) if with_lp is None else with_lp
     base = 50_000 + engine.num_steps * 100
     outs = {base + i: [] for i in range(len(prompts))}
@@ -56,7 +57,8 @@ def _run(engine, prompts, with_lp=None, **params):
             outs[o.req_id].append(o.token_id)
             if o.prompt_logprobs is not None:
                 assert o.req_id not in plps and len(outs[o.req_id]) == 1, "prompt logprobs come once, first"
-                plps[o.req_id] = o.prompt_logprobs
+                assert o.prompt_logprobs.well_formed() and o.prompt_logprobs.n == TOP
+                plps[o.req_id] = o.prompt_logprobs.to_logprobs(prompts[o.req_id - base])
         engine.block_manager.check_invariants(engine.seqs.values())
     assert engine.block_manager.num_free == engine.num_blocks, "KV blocks leaked"
     return [(outs[base + i], plps.get(base + i)) for i in range(len(prompts))]
@@ -66,7 +68,7 @@ def _check(got, want, prompt):
     own, top = want
     assert got is not None and len(got) == len(prompt) and got[0] is None
     for i in range(1, len(prompt)):
-        assert got[i].logprob == pytest.approx(own[i], abs=1e-4), i
+        assert got[i].token_id == prompt[i] and got[i].logprob == pytest.approx(own[i], abs=1e-4), i
         ids = [t for t, _ in got[i].top]
         assert ids == top[i].indices.tolist(), i
         assert [v for _, v in got[i].top] == pytest.approx(top[i].values.tolist(), abs=1e-4)
@@ -124,8 +126,8 @@ def test_an_abort_while_scoring_leaves_nothing(tiny_model):
     engine.step()
     assert engine.abort(1)
     firsts = [o for _ in range(40) if engine.has_work() for o in engine.step() if o.prompt_logprobs is not None]
-    assert [o.req_id for o in firsts] == [2] and len(firsts[0].prompt_logprobs) == 17
-    assert all(len(e.top) == 1 for e in firsts[0].prompt_logprobs[1:])
+    assert [o.req_id for o in firsts] == [2] and firsts[0].prompt_logprobs.num_positions == 16
+    assert firsts[0].prompt_logprobs.n == 1 and len(firsts[0].prompt_logprobs.top_ids) == 4 * 16
     assert engine.block_manager.num_free == engine.num_blocks
 
 

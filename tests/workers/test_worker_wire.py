@@ -1,23 +1,27 @@
-"""What a worker sends for a step's outputs: StepTokens on a real socket, prompt logprobs encoded as the
-router reads them, and a step with large prompt logprobs cut into several frames."""
+"""What a worker sends for a step's outputs: StepTokens on a real socket, prompt logprobs packed as the
+engine gave them, and a step with large prompt logprobs cut into several frames."""
 from __future__ import annotations
 
 import zmq
 
 from mii_async import protocol as P
+from mii_async.outputs import Logprob
 from mii_async.workers import worker as worker_mod
 from mii_async.workers.engine import EngineOutput
-from mii_async.workers.sampler import TokenLogprobs
+from tests.packed_logprobs import pack
+
+N = 6
 
 
-def _plps(n_tokens: int, n: int) -> list:
-    return [None] + [TokenLogprobs(-1.0 - i, [(j, -0.5 * (j + 1)) for j in range(n)]) for i in range(n_tokens - 1)]
+def _plps(n_tokens: int) -> P.PromptLogprobs:
+    return pack([(-1.0 - i, [(j, -0.5 * (j + 1)) for j in range(N)]) for i in range(n_tokens - 1)], N)
 
 
 def test_a_step_with_large_prompt_logprobs_is_cut_into_frames(monkeypatch):
-    """Outputs go out in order; one output's prompt logprobs ([logprob, [[id, lp], …]], None first) are never
-    split; a frame takes more outputs only while its prompt logprobs stay under STEP_FRAME_BYTES; a step
-    without prompt logprobs is one frame without the field."""
+    """Outputs go out in order; one output's prompt logprobs (packed: 4 + 8n bytes a position) are never
+    split and go out byte for byte as the engine packed them; a frame takes more outputs only while its
+    prompt logprobs stay under STEP_FRAME_BYTES; a step without prompt logprobs is one frame without the
+    field."""
     monkeypatch.setattr(worker_mod, "STEP_FRAME_BYTES", 10_000)
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
@@ -25,8 +29,8 @@ def test_a_step_with_large_prompt_logprobs_is_cut_into_frames(monkeypatch):
     port = router.bind_to_random_port("tcp://127.0.0.1")
     w = worker_mod.Worker(f"tcp://127.0.0.1:{port}")
     try:
-        assert P.prompt_logprobs_bytes(100, 2) == 5_200
-        a, c, d = _plps(100, 2), _plps(100, 2), _plps(100, 2)
+        assert 5_000 < worker_mod._packed_bytes(_plps(100)) < P.prompt_logprobs_bytes(100, N) < 10_000
+        a, c, d = _plps(100), _plps(100), _plps(100)
         outs = [EngineOutput(1, 11, None, None, 0, a), EngineOutput(2, 12, None, None, 0),
                 EngineOutput(3, 13, None, "length", 0, c), EngineOutput(4, 14, None, None, 0, d)]
         w._send_tokens(outs)
@@ -39,7 +43,10 @@ def test_a_step_with_large_prompt_logprobs_is_cut_into_frames(monkeypatch):
         assert [t for f in frames for t in f.token_ids] == [11, 12, 13, 14]
         assert frames[0].prompt_logprobs[1] is None and frames[1].finish_reasons == ["length"]
         sent = frames[0].prompt_logprobs[0]
-        assert len(sent) == 100 and sent[0] is None and sent[5] == [-5.0, [[0, -0.5], [1, -1.0]]]
+        assert sent == a and frames[2].prompt_logprobs == [d]
+        lps = sent.to_logprobs(list(range(100)))
+        assert len(lps) == 100 and lps[0] is None
+        assert lps[5] == Logprob(5, -5.0, [(j, -0.5 * (j + 1)) for j in range(N)])
         w._send_tokens([EngineOutput(5, 15, None, None, 0)])
         assert router.poll(5000)
         plain = P.decode(router.recv_multipart()[1])

@@ -1,0 +1,27 @@
+"""Tests' way to write a prompt's logprobs in their packed wire form (protocol.PromptLogprobs) from values."""
+from __future__ import annotations
+
+import array
+import sys
+
+from mii_async import protocol as P
+
+
+def _le(typecode: str, values: list) -> bytes:
+    a = array.array(typecode, values)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tobytes()
+
+
+def pack(entries: list, n: int) -> P.PromptLogprobs:
+    """`entries`: per position after the first, (logprob, [(id, logprob)] × n); float32 on the wire."""
+    assert all(len(top) == n for _, top in entries), "every position has the n alternatives"
+    return P.PromptLogprobs(n, _le("f", [lp for lp, _ in entries]),
+                            _le("I", [i for _, top in entries for i, _ in top]),
+                            _le("f", [v for _, top in entries for _, v in top]))
+
+
+def raw(n, own: list, top_ids: list, top_logprobs: list) -> P.PromptLogprobs:
+    """Any arrays, whether they agree or not (a malformed entry)."""
+    return P.PromptLogprobs(n, _le("f", own), _le("I", top_ids), _le("f", top_logprobs))
