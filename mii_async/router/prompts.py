@@ -43,7 +43,7 @@ class PromptEncoder:
             return text, list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         raise InvalidParameterError("prompt", "must be a string, a list of token ids or a list of chat messages")
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if len(messages) > MAX_MESSAGES:
             raise InvalidParameterError("messages", f"at most {MAX_MESSAGES} messages, got {len(messages)}")
         for i, m in enumerate(messages):
@@ -51,4 +51,5 @@ class PromptEncoder:
                 raise InvalidParameterError(f"messages[{i}]", "needs a string 'role' and a string 'content'")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidParameterError("messages", "this model's tokenizer has no chat template")
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)
