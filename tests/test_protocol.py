@@ -155,7 +155,7 @@ def test_malformed_frames_raise_protocol_error(frame):
 
 
 def test_a_frame_of_another_protocol_version_is_refused_naming_both():
-    """A peer of the previous protocol version (no prompt logprobs) gets a ProtocolError that names the
+    """A peer of the previous protocol version (prompt logprobs as lists) gets a ProtocolError that names the
     versions."""
     with pytest.raises(p.ProtocolError, match=f"protocol version {V - 1} is not {V}"):
         p.decode(msgpack.packb({"v": V - 1, "t": "Abort", "req_id": "x"}))
