@@ -5,6 +5,8 @@ in errors: max_tokens (ours: max_new_tokens) and min_tokens (ours: min_new_token
 """
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import Any
 
 from ..errors import InvalidParameterError
@@ -14,6 +16,8 @@ from .http_errors import bad_request
 from .openai_schemas import ChatCompletionRequest, CompletionRequest, _Common
 from .state import GatewayState
 from .streams import Job
+from .tool_mode import ToolMode, tool_mode
+from .tool_prompt import encode_chat, has_tool_calls
 
 MAX_N = 16
 MAX_CHOICES = 1024       # prompts × n of one request: each is an engine request
@@ -135,8 +139,11 @@ def completion_jobs(body: CompletionRequest) -> list[Job]:
     return _jobs(prompts, params, n)
 
 
-def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """Checks the messages and flattens text content parts; 'developer' is a system message."""
+def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Checks the messages and flattens text content parts; 'developer' is a system message. Each is
+    {"role", "content"}, plus for tool calling: an assistant message's `tool_calls` (its content may be null;
+    arguments decoded to an object where they are JSON, as chat templates expect them) and a tool message's
+    `tool_call_id` and `name`. plain_messages() drops those again."""
     if not messages:
         raise bad_request("messages", "messages must be a non-empty list")
     out = []
@@ -155,26 +162,104 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
             content = ""
         if not isinstance(content, str):
             raise bad_request(f"messages[{i}].content", "content must be a string or a list of text parts")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
+        if m.get("tool_calls") is not None:
+            if role != "assistant":
+                raise bad_request(f"messages[{i}].tool_calls", "only assistant messages carry tool_calls")
+            if calls := _tool_calls(i, m["tool_calls"]):
+                msg["tool_calls"] = calls
+        if role == "tool":
+            for key in ("tool_call_id", "name"):
+                if (v := m.get(key)) is not None:
+                    if not isinstance(v, str):
+                        raise bad_request(f"messages[{i}].{key}", f"{key} must be a string")
+                    msg[key] = v
+        out.append(msg)
     return out
 
 
-async def chat_jobs(body: ChatCompletionRequest, state: GatewayState) -> list[Job]:
-    if body.tools or body.functions:
-        raise bad_request("tools" if body.tools else "functions", "tool calling is not supported")
+def _tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's tool_calls, for the chat template: arguments as an object where they are JSON
+    (a model's arguments that are not stay text)."""
+    if not isinstance(calls, list):
+        raise bad_request(f"messages[{i}].tool_calls", "tool_calls must be a list")
+    out = []
+    for k, c in enumerate(calls):
+        at = f"messages[{i}].tool_calls[{k}]"
+        if not isinstance(c, dict) or not isinstance(c.get("function"), dict):
+            raise bad_request(at, "a tool call is {\"id\", \"type\": \"function\", \"function\": {\"name\", "
+                                  "\"arguments\"}}")
+        if c.get("type", "function") != "function":
+            raise bad_request(f"{at}.type", f"only function calls are supported, got type {c.get('type')!r}")
+        fn = c["function"]
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad_request(f"{at}.function.name", "a tool call names its function")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                pass
+        elif not isinstance(args, dict):
+            raise bad_request(f"{at}.function.arguments", "arguments must be the JSON text of an object")
+        call: dict[str, Any] = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if (cid := c.get("id")) is not None:
+            if not isinstance(cid, str):
+                raise bad_request(f"{at}.id", "id must be a string")
+            call = {"id": cid, **call}
+        out.append(call)
+    return out
+
+
+def plain_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """The messages as the router takes them: role and content."""
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+async def chat_jobs(body: ChatCompletionRequest, state: GatewayState) -> tuple[list[Job], ToolMode | None]:
+    """The request's jobs, and the ToolMode its answers are read under (None: plain text)."""
+    for legacy in ("functions", "function_call"):
+        if getattr(body, legacy) is not None:
+            raise bad_request(legacy, f"{legacy} (the legacy function calling) is not supported: give the functions "
+                              "as tools, and tool_choice instead of function_call")
     n = _n(body)
     messages = chat_messages(body.messages)
+    mode = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls)
     params = _common(body)
     if guided := _response_format(body.response_format):
         if any(k in params for k in GUIDED_FIELDS):
             raise bad_request("response_format", "give either response_format or a guided_* field, not both")
+        if mode is not None:
+            raise bad_request("response_format", "response_format json_object / json_schema cannot be combined "
+                                                 "with tools")
         params.update(guided)
+    if mode is not None:
+        if clash := next((k for k in GUIDED_FIELDS if k in params), None):
+            raise bad_request(clash, f"{clash} cannot be combined with tools")
+        if (schema := mode.guided_json()) is not None:
+            params["guided_json"] = schema
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params["max_new_tokens"] = max_tokens if max_tokens is not None else await state.room_for(messages)
+    if (mode is not None and mode.choice != "none") or has_tool_calls(messages):
+        prompt: Any = await _tool_prompt(state, messages, mode)
+        params["max_new_tokens"] = max_tokens if max_tokens is not None else await state.room_after(len(prompt))
+    else:
+        prompt = plain_messages(messages)
+        params["max_new_tokens"] = max_tokens if max_tokens is not None else await state.room_for(prompt)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs", "top_logprobs needs logprobs: true")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
         raise bad_request("top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}")
     if body.logprobs:
         params["logprobs"] = body.top_logprobs or 0
-    return _jobs([messages], params, n)
+    return _jobs([prompt], params, n), (mode if mode is not None and mode.choice != "none" else None)
+
+
+async def _tool_prompt(state: GatewayState, messages: list[dict[str, Any]], mode: ToolMode | None) -> list[int]:
+    """The prompt's token ids, rendered here with the tools and the history's calls (tool_prompt.py), once for
+    all choices, off the event loop; the router takes the ids as they are."""
+    if state.tokenizer is None:
+        raise bad_request("tools" if mode is not None else "messages",
+                          "tool calling needs the model's tokenizer on the gateway's host (the router's model "
+                          "directory is not here)")
+    await state.check_size(messages, mode.tools if mode is not None else None)
+    return await asyncio.get_running_loop().run_in_executor(None, encode_chat, state.tokenizer, messages, mode)

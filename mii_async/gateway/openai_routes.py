@@ -30,6 +30,8 @@ from .openai_schemas import ChatCompletionRequest, CompletionRequest
 from .sse import DONE, EventStream, event, until_disconnect
 from .state import GatewayState
 from .streams import Job, Opened, collect, merge, open_streams
+from .tool_answer import ToolDeltas, stream_choices, tool_message
+from .tool_mode import ToolMode
 
 router = APIRouter()
 
@@ -63,13 +65,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     s = _state(request)
     check_model(s, body.model)
     try:
-        jobs = await chat_jobs(body, s)
+        jobs, tools = await chat_jobs(body, s)
     except MIIAsyncError as exc:
         raise from_exception(exc, RENAME) from None
-    return await _answer(s, request, "chat", jobs, body, chat=True)
+    return await _answer(s, request, "chat", jobs, body, chat=True, tools=tools)
 
 
-async def _answer(s: GatewayState, request: Request, api: str, jobs: list[Job], body: Any, chat: bool):
+async def _answer(s: GatewayState, request: Request, api: str, jobs: list[Job], body: Any, chat: bool,
+                  tools: ToolMode | None = None):
     meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": s.model_name}
     try:
@@ -79,7 +82,7 @@ async def _answer(s: GatewayState, request: Request, api: str, jobs: list[Job], 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStream(_events(s, opened, meta, chat, include_usage, bool(getattr(body, "echo", False)),
-                                   None if chat else body.logprobs))
+                                   None if chat else body.logprobs, tools))
     try:
         chunks = await until_disconnect(request, collect(opened))
     except MIIAsyncError as exc:
@@ -97,9 +100,11 @@ async def _answer(s: GatewayState, request: Request, api: str, jobs: list[Job], 
         lps = [lp for c in cs for lp in (c.logprobs or [])]
         want_lp = o.job.params.get("logprobs") is not None
         if chat:
-            choices.append({"index": o.job.index, "message": {"role": "assistant", "content": text},
-                            "logprobs": _chat_logprobs(s, lps) if want_lp else None,
-                            "finish_reason": last.finish_reason})
+            message, finish = {"role": "assistant", "content": text}, last.finish_reason
+            if tools is not None:
+                message, finish = tool_message(tools, text, finish)
+            choices.append({"index": o.job.index, "message": message,
+                            "logprobs": _chat_logprobs(s, lps) if want_lp else None, "finish_reason": finish})
             if body.prompt_logprobs is not None and answer.get("prompt_logprobs") is None:
                 # vLLM's place: once for the response, whose choices share the prompt
                 answer["prompt_logprobs"] = parts.vllm(o.job, body.prompt_logprobs)
@@ -124,11 +129,12 @@ async def _answer(s: GatewayState, request: Request, api: str, jobs: list[Job], 
 
 
 async def _events(s: GatewayState, opened: list[Opened], meta: dict, chat: bool, include_usage: bool,
-                  echo: bool, echo_logprobs: int | None) -> AsyncIterator[str]:
+                  echo: bool, echo_logprobs: int | None, tools: ToolMode | None = None) -> AsyncIterator[str]:
     obj = "chat.completion.chunk" if chat else "text_completion"
     extra = {"usage": None} if include_usage else {}
     usage = _Usage()
     offsets = {o.job.index: 0 for o in opened}
+    answers = {o.job.index: ToolDeltas(tools) for o in opened} if tools is not None else {}   # each its own
 
     def chunk(choice: dict) -> str:
         return event({**meta, "object": obj, "choices": [choice], **extra})
@@ -153,7 +159,11 @@ async def _events(s: GatewayState, opened: list[Opened], meta: dict, chat: bool,
                 yield _error_event(GenerationError(c.error or "generation failed"))
                 continue
             want_lp = job.params.get("logprobs") is not None and c.logprobs
-            if chat:
+            if answers:
+                for choice in stream_choices(answers[job.index], job.index, c.text, c.finish_reason,
+                                             _chat_logprobs(s, c.logprobs) if want_lp else None):
+                    yield chunk(choice)
+            elif chat:
                 delta = {"content": c.text} if c.text or c.finish_reason is None else {}
                 yield chunk({"index": job.index, "delta": delta,
                              "logprobs": _chat_logprobs(s, c.logprobs) if want_lp else None,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -81,23 +82,42 @@ class GatewayState:
                 self.model_name = h["model_name"]       # follows the router (a restarted deployment)
             return h
 
+    async def _context(self) -> int | None:
+        """The most tokens one request may hold (prompt and answer), when the router said."""
+        limits = (await self.health()).get("limits")
+        return min(limits["max_model_len"], limits["max_request_tokens"]) if limits else None
+
+    async def check_size(self, messages: list[dict[str, Any]], extra: Any = None) -> None:
+        """Refuses, before any template or tokenizer runs, a chat that cannot fit the context: no tokenizer packs
+        64 characters a token. `extra`: what else the prompt shows (tools), counted as its JSON."""
+        context = await self._context()
+        if context is None:
+            return
+        chars = sum(len(m["content"]) for m in messages) + (len(json.dumps(extra)) if extra else 0)
+        if chars > 64 * context:
+            raise RequestTooLongError("messages", f"the prompt cannot fit the context of {context} tokens")
+
     async def room_for(self, messages: list[dict[str, str]]) -> int:
         """max_tokens for a chat request that names none: what is left of the context (and of the KV pool)
         after the prompt, as OpenAI and vLLM do, up to CHAT_MAX_TOKENS_CAP. The chat template and the
         tokenizer run off the event loop."""
-        limits = (await self.health()).get("limits")
-        if not limits or self.tokenizer is None:
+        if await self._context() is None or self.tokenizer is None:
             return DEFAULT_MAX_TOKENS
-        context = min(limits["max_model_len"], limits["max_request_tokens"])
-        if sum(len(m["content"]) for m in messages) > 64 * context:   # no tokenizer packs 64 chars a token
-            raise RequestTooLongError("messages", f"the prompt cannot fit the context of {context} tokens")
+        await self.check_size(messages)
         from ..router.prompts import PromptEncoder
 
         _, ids = await asyncio.get_running_loop().run_in_executor(None, PromptEncoder(self.tokenizer).encode,
                                                                   messages)
-        room = context - len(ids)
+        return await self.room_after(len(ids))
+
+    async def room_after(self, prompt_tokens: int) -> int:
+        """room_for a prompt of this many tokens (one the gateway rendered itself)."""
+        context = await self._context()
+        if context is None:
+            return DEFAULT_MAX_TOKENS
+        room = context - prompt_tokens
         if room < 1:
-            raise RequestTooLongError("messages", f"the prompt ({len(ids)} tokens) leaves no room in the "
+            raise RequestTooLongError("messages", f"the prompt ({prompt_tokens} tokens) leaves no room in the "
                                       f"context of {context} tokens")
         return min(room, CHAT_MAX_TOKENS_CAP)
 

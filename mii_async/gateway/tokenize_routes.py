@@ -14,9 +14,11 @@ from pydantic import BaseModel, ConfigDict
 from ..errors import InvalidParameterError
 from ..router.prompts import PromptEncoder
 from .http_errors import HTTPError, bad_request
-from .openai_params import chat_messages
+from .openai_params import chat_messages, plain_messages
 from .openai_routes import check_model
 from .state import GatewayState
+from .tool_mode import tool_mode
+from .tool_prompt import has_tool_calls, render_chat
 
 router = APIRouter()
 
@@ -26,6 +28,7 @@ class TokenizeRequest(BaseModel):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[dict[str, Any]]] = None
+    tools: Optional[list[dict[str, Any]]] = None    # messages: the tools the chat's prompt shows (as chat's)
     add_special_tokens: Optional[bool] = None       # text: True (as completions); messages: False (the template's)
     add_generation_prompt: Optional[bool] = True    # messages: end with the assistant's turn opened (as chat)
     return_token_strs: Optional[bool] = False
@@ -49,18 +52,26 @@ def _ready(request: Request, model: str | None) -> GatewayState:
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     """{"count", "max_model_len", "tokens"} (and "token_strs" with return_token_strs). Exactly one of
-    `prompt` and `messages`; the ids are those the generation routes would run."""
+    `prompt` and `messages` (with `tools`, as a chat with tool_choice auto shows them); the ids are those the
+    generation routes would run."""
     s = _ready(request, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("prompt" if body.prompt is None else "messages",
                           "give exactly one of prompt (text) and messages (a chat)")
     tok, encoder = s.tokenizer, PromptEncoder(s.tokenizer)
+    if body.tools is not None and body.messages is None:
+        raise bad_request("tools", "tools go with messages")
     if body.messages is not None:
         messages = chat_messages(body.messages)
+        mode = tool_mode(body.tools, None, None)
         special = bool(body.add_special_tokens)
+        agp = bool(body.add_generation_prompt)
 
         def encode() -> list[int]:
-            text = encoder.apply_chat_template(messages, add_generation_prompt=bool(body.add_generation_prompt))
+            if mode is not None or has_tool_calls(messages):      # as chat renders tools and tool calls
+                text = render_chat(tok, messages, mode, add_generation_prompt=agp)
+            else:
+                text = encoder.apply_chat_template(plain_messages(messages), add_generation_prompt=agp)
             return list(tok(text, add_special_tokens=special)["input_ids"])
     else:
         prompt, special = body.prompt, body.add_special_tokens is not False
