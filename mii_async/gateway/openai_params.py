@@ -2,6 +2,9 @@
 
 Every refusal is a 400 naming the parameter as the caller spelled it. Names differ in two places, mapped back
 in errors: max_tokens (ours: max_new_tokens) and min_tokens (ours: min_new_tokens).
+
+A chat with tools (or whose history holds tool calls) is rendered here, not by the router: its prompt travels
+as token ids (tool_prompt.py), and required / named calls as a guided_json schema (tool_mode.py).
 """
 from __future__ import annotations
 
@@ -216,7 +219,11 @@ def plain_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
-async def chat_jobs(body: ChatCompletionRequest, state: GatewayState) -> tuple[list[Job], ToolMode | None]:
+async def chat_jobs(body: ChatCompletionRequest, state: GatewayState) -> list[Job]:
+    return (await chat_plan(body, state))[0]
+
+
+async def chat_plan(body: ChatCompletionRequest, state: GatewayState) -> tuple[list[Job], ToolMode | None]:
     """The request's jobs, and the ToolMode its answers are read under (None: plain text)."""
     for legacy in ("functions", "function_call"):
         if getattr(body, legacy) is not None:

@@ -11,6 +11,9 @@ echoed text); vLLM's `prompt_logprobs: n` (either route, not streamed) adds vLLM
 per choice on completions, once for the response on chat. Of the n choices of a prompt only the first asks the
 engine for them (such a request skips the prefix cache); every choice's answer shows that one result, rendered
 once per prompt (_PromptParts).
+
+Tool calls (chat with `tools`): each choice's answer is read under the request's ToolMode (tool_answer.py) into
+`message.tool_calls`, whole or as `tool_calls` deltas; the choice's other chunks are as without tools.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from fastapi.responses import JSONResponse
 from ..errors import GenerationError, MIIAsyncError
 from ..outputs import Logprob, StreamChunk
 from .http_errors import HTTPError, from_exception
-from .openai_params import RENAME, chat_jobs, completion_jobs
+from .openai_params import RENAME, chat_plan, completion_jobs
 from .openai_schemas import ChatCompletionRequest, CompletionRequest
 from .sse import DONE, EventStream, event, until_disconnect
 from .state import GatewayState
@@ -65,7 +68,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     s = _state(request)
     check_model(s, body.model)
     try:
-        jobs, tools = await chat_jobs(body, s)
+        jobs, tools = await chat_plan(body, s)
     except MIIAsyncError as exc:
         raise from_exception(exc, RENAME) from None
     return await _answer(s, request, "chat", jobs, body, chat=True, tools=tools)
