@@ -20,7 +20,7 @@ from .openai_schemas import ChatCompletionRequest, CompletionRequest, _Common
 from .state import GatewayState
 from .streams import Job
 from .tool_mode import ToolMode, tool_mode
-from .tool_prompt import encode_chat, has_tool_calls
+from .tool_prompt import encode_chat, has_tool_calls, markers_are_special
 
 MAX_N = 16
 MAX_CHOICES = 1024       # prompts × n of one request: each is an engine request
@@ -248,6 +248,9 @@ async def chat_plan(body: ChatCompletionRequest, state: GatewayState) -> tuple[l
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if (mode is not None and mode.choice != "none") or has_tool_calls(messages):
         prompt: Any = await _tool_prompt(state, messages, mode)
+        if mode is not None and mode.choice == "auto" and body.skip_special_tokens is None \
+                and markers_are_special(state.tokenizer):
+            params["skip_special_tokens"] = False
         params["max_new_tokens"] = max_tokens if max_tokens is not None else await state.room_after(len(prompt))
     else:
         prompt = plain_messages(messages)

@@ -28,6 +28,12 @@ PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "
                                                 "parameters": {"type": "object", "properties": {}}}}
 
 
+def markers_are_special(tokenizer: Any) -> bool:
+    """Whether the tokenizer holds <tool_call> as a special token, which skip_special_tokens would cut out of
+    the answer before the parser sees it (auto then keeps special tokens, as vLLM's Hermes parser does)."""
+    return OPEN in getattr(tokenizer, "all_special_tokens", ())
+
+
 def has_tool_calls(messages: list[dict[str, Any]]) -> bool:
     return any(m.get("tool_calls") for m in messages)
 

@@ -11,7 +11,8 @@ from mii_async.gateway.http_errors import HTTPError
 from mii_async.gateway.openai_params import chat_messages
 from mii_async.gateway.tool_mode import tool_mode
 from mii_async.gateway.tool_parser import parse_tool_calls
-from mii_async.gateway.tool_prompt import (PROBE_TOOL, call_block, encode_chat, render_chat, tool_section)
+from mii_async.gateway.tool_prompt import (PROBE_TOOL, call_block, encode_chat, markers_are_special, render_chat,
+                                           tool_section)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -98,6 +99,16 @@ def test_a_template_that_refuses_tools_gets_the_fallback(knowing):
         "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
     text = render_chat(t, chat_messages(HISTORY), tool_mode([WEATHER, PROBE_TOOL], None, None))
     assert text.startswith("system: # Tools") and "<tool_call>" in text
+
+
+def test_special_markers_are_seen(tokenizer):
+    """A tokenizer that holds <tool_call> as a special token would lose it to skip_special_tokens: auto then
+    keeps special tokens in the answer."""
+    t = copy.deepcopy(tokenizer)
+    t.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    assert markers_are_special(t) and not markers_are_special(tokenizer)
+    ids = t("<tool_call>{}</tool_call>", add_special_tokens=False)["input_ids"]
+    assert t.decode(ids, skip_special_tokens=True) == "{}"
 
 
 def test_a_template_error_names_messages(knowing):
