@@ -173,6 +173,26 @@ def test_modes_and_their_guides():
     assert (named.choice, named.name, named.guided_json()) == ("named", "f", a["function"]["parameters"])
 
 
+def test_outlines_core_takes_the_required_schema():
+    """The constructs the required guide uses compile in outlines-core and mean what they say: const names,
+    anyOf over the tools, minItems 1, maxItems 1 without parallel calls."""
+    import re
+
+    from mii_async.guided import normalize_json_schema, schema_regex
+
+    a = _fn(parameters={"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]})
+    tools = [a, _fn(name="g")]
+
+    def admits(parallel, text):
+        schema = tool_mode(tools, "required", parallel).guided_json()
+        return re.fullmatch(schema_regex(normalize_json_schema(schema)), text) is not None
+
+    one, two = '[{"name":"f","arguments":{"x":1}}]', '[{"name":"f","arguments":{"x":1}},{"name":"g","arguments":{}}]'
+    assert admits(True, one) and admits(True, two) and admits(False, one) and not admits(False, two)
+    assert not admits(True, "[]") and not admits(True, '[{"name":"h","arguments":{}}]')
+    assert not admits(True, '[{"name":"f","arguments":{"x":"1"}}]') and not admits(True, '[{"name":"g","arguments":{"x":1}}]')
+
+
 @pytest.mark.parametrize("messages, param", [
     ([{"role": "user", "content": "x", "tool_calls": []}], "messages[0].tool_calls"),
     ([{"role": "assistant", "content": None, "tool_calls": {"a": 1}}], "messages[0].tool_calls"),
