@@ -28,8 +28,9 @@ RING_BYTES_PER_WARP = {"mma": 2 * 16 * 2 * 128 * 2, "stream": 4 * 4 * 2 * 128 * 
 # The mma kernel's narrow form (2 warps a block, 6 blocks an SM, against 4 and 3) from this many (sequence, KV
 # head) pairs on; None: never. A probe of the same source on the H200 (bf16, 8 KV heads, graph replays, µs,
 # 4 warps → 2): 256 × 704 tokens 245 → 222, 256 × 64-1536 274 → 244, 192 × 704 188 → 168, 256 × 150 59 → 54;
-# but 64 × 1024 89 → 97, 16 × 1024 30 → 33. So 1024 is the candidate; off until the GPU tests have run on this
-# code and the engine's mixed load is measured with it (docs/benchmarks.md).
+# but 64 × 1024 89 → 97, 16 × 1024 30 → 33. In the engine's mixed load (one process, both widths, 2026-12-05)
+# they tied: 9,120 tok/s at 2 warps against 9,121 at 4, with p99 ITL 55.8 against 45.5 ms. So it stays off
+# (docs/benchmarks.md, stop 27); the GPU tests pass at both widths.
 MMA_NARROW_FROM: int | None = None
 
 
