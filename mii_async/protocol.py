@@ -10,9 +10,7 @@ path (router, gateway, client).
 """
 from __future__ import annotations
 
-import array
 import dataclasses
-import sys
 import types
 import typing
 from collections.abc import Callable
@@ -21,7 +19,7 @@ from typing import Any, NamedTuple, Union
 
 import msgpack
 
-from .outputs import Logprob
+from .packed import PromptLogprobs, as_prompt_logprobs, pack_ids, unpack
 
 PROTOCOL_VERSION = 4                  # 2: DeltaBatch, StatsQuery.reset_prefix_cache; 3: prompt_logprobs
                                       # (StepTokens, Delta): a peer of 2 refuses them as unknown fields;
@@ -30,7 +28,7 @@ MAX_FRAME_BYTES = 16 * 2**20          # also the sockets' ZMQ_MAXMSGSIZE
 MAX_ITEMS = 1 << 20                    # longest msgpack array or map, and bin length in ids
 MAX_BATCH_DELTAS = 1 << 14             # Deltas in one DeltaBatch at most (each is checked and built on decode)
 MAX_PROMPT_LOGPROBS_BYTES = 4 * 2**20  # one request's prompt logprobs (with its prompt ids) in a frame at most,
-                                       # by prompt_logprobs_bytes: the router refuses a request that needs more.
+                                       # by packed.prompt_logprobs_bytes: the router refuses a request that needs more.
                                        # Packed, that is 262k prompt tokens at n = 1, 25k at n = 20; what
                                        # bounds it is the client, which makes Logprob objects of them all at
                                        # once (0.5 s on its loop for 262k at n = 1, 0.1 s for 25k at n = 20)
@@ -47,49 +45,6 @@ _EACH_PLPS = {"plps": "each"}          # a list of PromptLogprobs or None
 
 class ProtocolError(ValueError):
     """A frame that is not a valid message of this protocol version."""
-
-
-class PromptLogprobs(NamedTuple):
-    """A prompt's logprobs, packed: for a prompt of L tokens, positions 1 … L−1 (the first token has none), each
-    prompt token's logprob given the tokens before it and the n most likely tokens there. On the wire a msgpack
-    array [n, own, top_ids, top_logprobs] of an int and three bins of little-endian arrays, so that the router
-    checks them with a few numpy operations and forwards the bytes as they came (a prompt's logprobs as msgpack
-    lists cost its event loop ~0.5 s at 4 MiB). `to_logprobs` gives the public form (outputs.Logprob)."""
-    n: int                    # alternatives per position (the request's prompt_logprobs, or fewer)
-    own: bytes                # float32[L-1]: position p's prompt token's logprob, p = 1 … L-1
-    top_ids: bytes            # uint32[(L-1)·n], row-major: position p's n most likely token ids, best first
-    top_logprobs: bytes       # float32[(L-1)·n]: their logprobs, parallel to top_ids
-
-    @property
-    def num_positions(self) -> int:
-        return len(self.own) // 4
-
-    def well_formed(self) -> bool:
-        """The shape holds together: an int n ≥ 0, three bins, and n entries of each top array per position."""
-        n, own, ids, lps = self
-        return (type(n) is int and n >= 0 and type(own) is bytes and type(ids) is bytes and type(lps) is bytes
-                and len(own) % 4 == 0 and len(ids) == len(lps) == n * len(own))
-
-    def to_logprobs(self, prompt_ids: list[int]) -> list[Logprob | None]:
-        """The public form, one entry per prompt token: None for the first, then Logprob(prompt token, its
-        logprob, [(id, logprob), …] best first). `prompt_ids` are the prompt's L tokens."""
-        assert len(prompt_ids) == self.num_positions + 1, "one position per prompt token after the first"
-        own = _unpack(self.own, "f")
-        ids = _unpack(self.top_ids, "I")
-        lps = _unpack(self.top_logprobs, "f")
-        n = self.n
-        pairs = list(zip(ids, lps))
-        tops = [pairs[k:k + n] for k in range(0, len(pairs), n)] if n else [[] for _ in own]
-        return [None, *map(Logprob, prompt_ids[1:], own, tops)]
-
-
-def _unpack(b: bytes, typecode: str) -> list:
-    """A little-endian packed array's values as Python numbers (float32 values are exact as floats)."""
-    a = array.array(typecode)
-    a.frombytes(b)
-    if sys.byteorder != "little":
-        a.byteswap()
-    return a.tolist()
 
 
 # -- client ⇄ router ---------------------------------------------------------------------------------
@@ -268,35 +223,14 @@ Message = Union[Generate, Abort, Delta, DeltaBatch, ErrorReply, Query, QueryRepl
 _TYPES: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(Message)}
 
 
-def prompt_logprobs_bytes(num_tokens: int, n: int) -> int:
-    """An upper bound on the bytes that a prompt of `num_tokens` with prompt_logprobs=`n` adds to a Delta: per
-    token its packed id (4), per position after the first its packed logprob (4) and n ids and logprobs (8 n),
-    and 32 for the msgpack headers; a StepTokens entry (no prompt ids) is smaller."""
-    return num_tokens * (8 + 8 * n) + 32
-
-
-def _pack_ids(ids: list[int]) -> bytes:
-    a = array.array("I", ids)
-    if sys.byteorder != "little":
-        a.byteswap()
-    return a.tobytes()
-
-
 def _unpack_ids(b: Any, name: str) -> list[int]:
     if not isinstance(b, bytes) or len(b) % 4:
         raise ProtocolError(f"field {name!r} must be a packed uint32 array")
-    return _unpack(b, "I")
-
-
-def _as_prompt_logprobs(x: Any) -> Any:
-    """A wire [n, own, top_ids, top_logprobs] as PromptLogprobs, when it is one; else x as it came."""
-    if type(x) is list and len(x) == 4 and (p := PromptLogprobs(*x)).well_formed():
-        return p
-    return x
+    return unpack(b, "I")
 
 
 def _unpack_prompt_logprobs(x: Any, name: str) -> PromptLogprobs:
-    if type(p := _as_prompt_logprobs(x)) is not PromptLogprobs:
+    if type(p := as_prompt_logprobs(x)) is not PromptLogprobs:
         raise ProtocolError(f"field {name!r} must be [n, own, top_ids, top_logprobs] of packed arrays")
     return p
 
@@ -304,7 +238,7 @@ def _unpack_prompt_logprobs(x: Any, name: str) -> PromptLogprobs:
 def _unpack_each_prompt_logprobs(x: Any, name: str) -> list:
     if type(x) is not list:
         raise ProtocolError(f"field {name!r} must be a list")
-    return [None if e is None else _as_prompt_logprobs(e) for e in x]
+    return [None if e is None else as_prompt_logprobs(e) for e in x]
 
 
 def encode(msg: Message) -> bytes:
@@ -317,7 +251,7 @@ def _put_fields(msg: Any, frame: dict[str, Any]) -> dict[str, Any]:
     for f in _SPECS[type(msg).__name__]:
         value = getattr(msg, f.name)
         if value is not None and f.ids:
-            value = _pack_ids(value)
+            value = pack_ids(value)
         elif value is not None and f.of is not None:
             value = [_put_fields(m, {}) for m in value]
         frame[f.name] = value

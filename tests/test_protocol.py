@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mii_async import packed
 from mii_async import protocol as p
 from mii_async.outputs import Logprob
 from tests.packed_logprobs import pack
@@ -58,10 +59,10 @@ def test_prompt_logprobs_bytes_bounds_the_encoded_size(n):
         ids = [2**32 - 1] * length
         bare = len(p.encode(p.Delta("r", "", [5])))
         added = len(p.encode(p.Delta("r", "", [5], None, None, None, None, ids, plps))) - bare
-        assert added <= p.prompt_logprobs_bytes(length, n)
+        assert added <= packed.prompt_logprobs_bytes(length, n)
         bare = len(p.encode(p.StepTokens([1], [5], [None], [0])))
         assert len(p.encode(p.StepTokens([1], [5], [None], [0], None, [plps]))) - bare <= added
-    assert p.prompt_logprobs_bytes(1000, n) - added <= 0.001 * added + 32
+    assert packed.prompt_logprobs_bytes(1000, n) - added <= 0.001 * added + 32
 
 
 def test_prompt_logprobs_travel_packed():
@@ -77,7 +78,7 @@ def test_prompt_logprobs_travel_packed():
 
 def _delta_frame(plps, prompt_ids=(1, 3)):
     return msgpack.packb({"v": V, "t": "Delta", "req_id": "r", "text": "", "token_ids": b"",
-                          "prompt_ids": p._pack_ids(list(prompt_ids)), "prompt_logprobs": plps})
+                          "prompt_ids": packed.pack_ids(list(prompt_ids)), "prompt_logprobs": plps})
 
 
 @pytest.mark.parametrize("plps", [
@@ -108,7 +109,7 @@ def test_a_delta_with_prompt_logprobs_needs_the_prompts_ids():
 def test_step_tokens_keep_a_malformed_entry_for_the_router():
     """A StepTokens entry that is not a PromptLogprobs decodes as it came (the router fails that request
     only); well-formed ones become PromptLogprobs; the field itself must be a list."""
-    frame = {"v": V, "t": "StepTokens", "req_ids": [1, 2, 3], "token_ids": p._pack_ids([5, 6, 7]),
+    frame = {"v": V, "t": "StepTokens", "req_ids": [1, 2, 3], "token_ids": packed.pack_ids([5, 6, 7]),
              "finish_reasons": [None] * 3, "cached_tokens": [0] * 3, "logprobs": None,
              "prompt_logprobs": [list(PLPS), [2, b"", b"x", b""], None]}
     msg = p.decode(msgpack.packb(frame))

@@ -29,6 +29,7 @@ from .. import protocol as P
 from ..config import EngineConfig, ServeConfig
 from ..errors import (InvalidParameterError, MIIAsyncError, OverloadedError, RequestTooLongError, UnavailableError,
                       error_code)
+from ..packed import prompt_logprobs_bytes
 from ..params import SamplingParams
 from ..transport import RouterSocket, start_authenticator
 from .balancer import Balancer, Candidate
@@ -360,7 +361,7 @@ def _wire_logprob(lp: Any) -> list:
 def check_prompt_logprobs_size(num_tokens: int, params: SamplingParams) -> None:
     """A request's prompt logprobs travel in one message (with its first token): refuses those that cannot."""
     n = params.prompt_logprobs
-    if n is not None and P.prompt_logprobs_bytes(num_tokens, n) > P.MAX_PROMPT_LOGPROBS_BYTES:
+    if n is not None and prompt_logprobs_bytes(num_tokens, n) > P.MAX_PROMPT_LOGPROBS_BYTES:
         raise RequestTooLongError("prompt_logprobs", f"the logprobs of a prompt of {num_tokens} tokens with {n} "
                                   f"alternatives each exceed the {P.MAX_PROMPT_LOGPROBS_BYTES >> 20} MiB that one "
                                   "message carries: ask for fewer alternatives or give a shorter prompt")

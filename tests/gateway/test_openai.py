@@ -8,17 +8,6 @@ import pytest
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def oai(gateway_url):
-    with openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(oai):
-    return oai.models.list().data[0].id
-
-
 def test_models_lists_the_served_model(oai, deployment):
     """GET /v1/models lists one model, named as the router serves it."""
     models = oai.models.list().data

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 
 from mii_async.gateway.tool_prompt import call_block
@@ -34,17 +33,6 @@ def _history(cities: list[str]) -> list[dict]:
                 {"role": "tool", "tool_call_id": f"call_{i}", "content": '{"celsius": 20}'},
                 {"role": "assistant", "content": f"It is 20 degrees in {city}."}]
     return out + [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def oai(gateway_url):
-    with openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="unused", max_retries=0, timeout=300) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(oai):
-    return oai.models.list().data[0].id
 
 
 def _matches(value, schema: dict) -> bool:

@@ -11,6 +11,7 @@ import zmq
 
 import mii_async
 from mii_async import protocol as P
+from mii_async.packed import prompt_logprobs_bytes
 from mii_async.outputs import Logprob
 from tests.mesh_helpers import until, wait_gone, with_word_tokenizer
 from tests.packed_logprobs import pack, raw
@@ -200,7 +201,7 @@ def test_prompt_logprobs_too_big_for_a_frame_are_refused(router):
     with pytest.raises(mii_async.RequestTooLongError) as e:
         _ask(client, prompt, max_new_tokens=1, prompt_logprobs=20).result(30)
     assert e.value.param == "prompt_logprobs"
-    assert P.prompt_logprobs_bytes(len(prompt), 20) > P.MAX_PROMPT_LOGPROBS_BYTES
+    assert prompt_logprobs_bytes(len(prompt), 20) > P.MAX_PROMPT_LOGPROBS_BYTES
     fut = _ask(client, prompt, max_new_tokens=1, prompt_logprobs=1)
     add = w.recv(P.AddRequest)
     plps = pack([(-2.0, [(5, -0.125)])] * (len(prompt) - 1), 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import zmq
 
 from mii_async import protocol as P
+from mii_async.packed import prompt_logprobs_bytes
 from mii_async.outputs import Logprob
 from mii_async.workers import worker as worker_mod
 from mii_async.workers.engine import EngineOutput
@@ -29,7 +30,7 @@ def test_a_step_with_large_prompt_logprobs_is_cut_into_frames(monkeypatch):
     port = router.bind_to_random_port("tcp://127.0.0.1")
     w = worker_mod.Worker(f"tcp://127.0.0.1:{port}")
     try:
-        assert 5_000 < worker_mod._packed_bytes(_plps(100)) < P.prompt_logprobs_bytes(100, N) < 10_000
+        assert 5_000 < worker_mod._packed_bytes(_plps(100)) < prompt_logprobs_bytes(100, N) < 10_000
         a, c, d = _plps(100), _plps(100), _plps(100)
         outs = [EngineOutput(1, 11, None, None, 0, a), EngineOutput(2, 12, None, None, 0),
                 EngineOutput(3, 13, None, "length", 0, c), EngineOutput(4, 14, None, None, 0, d)]
