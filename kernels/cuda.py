@@ -189,14 +189,14 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """As reference.paged_attention: decodes through paged_attention_decode (DECODE_KERNEL), prompt chunks
-    through the reference."""
+    through torch's variable-length flash attention (`prefill_attention`)."""
     nd = meta.num_decodes
     q = q.contiguous()
-    out = torch.empty_like(q)
     if nd and not decode_supported(q.shape[1], k_cache.shape[2], q.shape[2]):
-        return reference.paged_attention(q, k_cache, v_cache, meta, scale)
+        return reference.paged_attention(q, k_cache, v_cache, meta, scale, out)
+    out = torch.empty_like(q) if out is None else out
     if nd:
         paged_attention_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd],
                                max(meta.context_lens_host[:nd]), scale, out=out[:nd])

@@ -108,14 +108,15 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Ten
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's query tokens over its blocked KV history (this step's K/V
     already written). q [T, Hq, D] → [T, Hq, D]. GQA: Hq is a multiple of Hkv.
 
     A sequence with query length L and context length C holds its queries at positions C-L … C-1; query i
-    attends keys 0 … C-L+i. Decodes (L = 1) are batched over a padded gather; prefill chunks loop.
+    attends keys 0 … C-L+i. Decodes (L = 1) are batched over a padded gather; prefill chunks loop. `out`:
+    where to write the result (shaped as q), e.g. a piecewise graph's static input.
     """
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     nd = meta.num_decodes
     bs = k_cache.shape[1]
     if nd:

@@ -30,6 +30,8 @@ class ModelConfig:
     cache_dir: str = field(default_factory=default_cache_dir)  # converted models
     kernels: str = "auto"              # auto: the CuPy/CUDA kernels on a GPU when cupy imports, else reference
     cuda_graphs: bool = True           # on a GPU, replay decode steps from CUDA graphs (False: always eager)
+    piecewise_graphs: bool = True      # with cuda_graphs: steps with prompt chunks replay their layers' dense
+                                       # parts from graphs, attention eager between them
 
     def __post_init__(self) -> None:
         dt = _DTYPE_ALIASES.get(str(self.dtype), str(self.dtype))
@@ -43,6 +45,8 @@ class ModelConfig:
             raise InvalidParameterError("kernels", f"must be auto, reference or cuda, got {self.kernels!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise InvalidParameterError("cuda_graphs", f"must be true or false, got {self.cuda_graphs!r}")
+        if not isinstance(self.piecewise_graphs, bool):
+            raise InvalidParameterError("piecewise_graphs", f"must be true or false, got {self.piecewise_graphs!r}")
 
 
 @dataclass(frozen=True)

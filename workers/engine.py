@@ -33,6 +33,7 @@ from .loader import TensorReader, WeightReader, load_spec
 from .memory_plan import MemoryPlan, plan_kv, profile_step
 from .models.llama import LlamaModel
 from .parallel import TPGroup
+from .piecewise_graphs import PiecewiseGraphs, piecewise_reserve
 from .prompt_logprobs import PendingScores, launch_scores, packed, read_scores
 from .runner import Runner
 from .sampler import PendingSample, Sampler, TokenLogprobs
@@ -100,6 +101,8 @@ class Engine:
         self.sampler = Sampler(spec.vocab_size, spec.eos_token_ids, self.device)
         graphs = self.device.type == "cuda" and mc.cuda_graphs and tp is None   # TP graphs: not yet
         max_graph_batch = min(sched.max_num_seqs, 512)
+        piecewise = graphs and mc.piecewise_graphs
+        piecewise_tokens = sched.max_mixed_batch_tokens or sched.max_batch_tokens
         self.memory_plan = None
         per_block = kv_cache.bytes_per_block(kv_spec, cc.block_size, self.dtype)
         if cc.num_blocks:
@@ -107,8 +110,13 @@ class Engine:
         elif self.device.type != "cuda" or cc.kv_cache_memory is not None:
             num_blocks = int((cc.kv_cache_memory or cc.CPU_KV_GIB) * 2**30 // per_block)
         else:
-            self.memory_plan = self._plan_memory(kv_spec, per_block, sched, graph_reserve(
-                max_graph_batch, spec.vocab_size) if graphs else 0)
+            reserve = graph_reserve(max_graph_batch, spec.vocab_size) if graphs else 0
+            if piecewise:
+                d, hq = spec.head_dim, self.model.num_heads
+                reserve += piecewise_reserve(piecewise_tokens, spec.hidden_size, hq * d,
+                                             (hq + 2 * kv_spec.num_kv_heads) * d, spec.intermediate_size,
+                                             self.dtype.itemsize)
+            self.memory_plan = self._plan_memory(kv_spec, per_block, sched, reserve)
             num_blocks = self.memory_plan.num_blocks
         num_blocks = max(1, num_blocks)
         if tp is not None:
@@ -123,8 +131,12 @@ class Engine:
             self.runner.graphs = DecodeGraphs(self.model, self.kv, cc.block_size, self.device, max_graph_batch,
                                               self.max_model_len, scratch_block=num_blocks)
             self.runner.graphs.capture()
+        if piecewise:
+            self.runner.piecewise = PiecewiseGraphs(self.model, self.kv, self.device, piecewise_tokens,
+                                                    scratch_slot=num_blocks * cc.block_size)
+            self.runner.piecewise.capture()
         if self.memory_plan is not None:
-            measured = self.runner.graphs.memory if self.runner.graphs else 0
+            measured = sum(g.memory for g in (self.runner.graphs, self.runner.piecewise) if g is not None)
             log.info("%s; graphs measured %.2f GiB; token budget %d per step (%d while requests decode%s), %d "
                      "sequences at most", self.memory_plan.describe(), measured / 2**30, sched.max_batch_tokens,
                      sched.max_mixed_batch_tokens,

@@ -30,7 +30,7 @@ class MemoryPlan:
     weights: int                # torch-allocated when the profile started (the weights)
     activations: int            # peak over the profiling step, beyond the weights
     non_torch: int              # used outside torch's allocator (CUDA context, libraries, other processes)
-    graph_reserve: int          # set aside for the captured decode graphs
+    graph_reserve: int          # set aside for the captured graphs (decode, piecewise)
     kv_bytes_per_block: int
     num_blocks: int
     block_size: int

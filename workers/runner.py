@@ -33,8 +33,9 @@ def pack_tables(seqs: list[ScheduledSeq], pad: int) -> tuple[np.ndarray, np.ndar
 
 class HostInputs(NamedTuple):
     """A step's inputs on the host: one int64 buffer and where each field sits in it."""
-    buf: np.ndarray            # [3T + S + (S + 1) + R + E + S·W] ids, positions, slots, context lens, query
-                               # starts, sampled rows then scored rows (prompt logprobs), block tables
+    buf: np.ndarray            # [3P + S + (S + 1) + R + E + S·W] ids, positions, slots (each P long: T, or
+                               # padded to a piecewise graph's P), context lens, query starts, sampled rows
+                               # then scored rows (prompt logprobs), block tables
     num_tokens: int            # T
     num_sampled: int           # R
     num_scored: int            # E
@@ -42,14 +43,18 @@ class HostInputs(NamedTuple):
     query_lens: list[int]      # [S] host copies the attention metadata carries
     context_lens: list[int]    # [S]
     groups: list[HostGroup]    # the prompt chunks' ragged layout (`prefill_layout`), after the tables; or []
-    patch: int                 # P placeholder ids (async scheduling): [P] their rows, [P] their sources, last
+    patch: int                 # placeholder ids (async scheduling): [patch] their rows, then their sources, last
+    padded: int = 0            # P: the length of the ids, positions and slots fields (≥ T)
 
 
-def host_inputs(plan: StepPlan, block_size: int, ragged: bool = False, pending: bool = False) -> HostInputs:
+def host_inputs(plan: StepPlan, block_size: int, ragged: bool = False, pending: bool = False, pad_to: int = 0,
+                pad_slot: int = 0) -> HostInputs:
     """The step's int64 inputs: per-sequence Python work is one read of each field; positions, slots and
     sampled rows are computed for the whole batch by numpy. With `ragged`, the prompt chunks' layout for a
     variable-length attention kernel follows the block tables. With `pending`, ids may be placeholders
-    (−1 − r: the r-th id the step in flight samples): their rows and sources end the buffer."""
+    (−1 − r: the r-th id the step in flight samples): their rows and sources end the buffer. `pad_to`: the
+    ids, positions and slots fields are that long, the rows past the step's tokens id 0 at position 0,
+    writing their K/V to `pad_slot` (a piecewise graph's padded rows)."""
     seqs = plan.seqs
     n = len(seqs)
     starts = [s.start_pos for s in seqs]
@@ -62,13 +67,14 @@ def host_inputs(plan: StepPlan, block_size: int, ragged: bool = False, pending: 
     clens = [a + b for a, b in zip(starts, qlens)]
     tables, lens = pack_tables(seqs, 0)
     num_tok, width = len(ids), tables.shape[1]
+    p_len = max(pad_to, num_tok)
     sample = np.fromiter((s.sample for s in seqs), np.bool_, n)
     num_sampled = int(sample.sum())
     num_scored = plan.num_scored
     groups: list[HostGroup] = []
     layout = None
     num_rows = num_sampled + num_scored
-    base = 3 * num_tok + 2 * n + 1 + num_rows + n * width
+    base = 3 * p_len + 2 * n + 1 + num_rows + n * width
     if ragged and plan.num_decodes < n:
         layout, groups = prefill_layout(tables, qlens, clens, plan.num_decodes, block_size)
         groups = [g._replace(slots=(g.slots[0] + base, g.slots[1] + base), cu=g.cu + base) for g in groups]
@@ -76,8 +82,12 @@ def host_inputs(plan: StepPlan, block_size: int, ragged: bool = False, pending: 
     npatch = 0 if rows is None else len(rows)
     end = base + (0 if layout is None else len(layout))
     buf = np.empty(end + 2 * npatch, np.int64)
-    o = num_tok
-    ids_v, pos_v, slots_v = buf[:o], buf[o:2 * o], buf[2 * o:3 * o]
+    o = p_len
+    ids_v, pos_v, slots_v = buf[:num_tok], buf[o:o + num_tok], buf[2 * o:2 * o + num_tok]
+    if p_len > num_tok:
+        buf[num_tok:o] = 0
+        buf[o + num_tok:2 * o] = 0
+        buf[2 * o + num_tok:3 * o] = pad_slot
     o *= 3
     clens_v, qsl_v = buf[o:o + n], buf[o + n:o + 2 * n + 1]
     o += 2 * n + 1
@@ -106,7 +116,7 @@ def host_inputs(plan: StepPlan, block_size: int, ragged: bool = False, pending: 
         np.subtract(np.arange(num_tok), qsl_v[:-1][seq_of], out=pos_v)
         pos_v += np.asarray(starts, np.int64)[seq_of]
     slots_v[:] = tables[seq_of, pos_v // block_size] * block_size + pos_v % block_size
-    return HostInputs(buf, num_tok, num_sampled, num_scored, width, qlens, clens, groups, npatch)
+    return HostInputs(buf, num_tok, num_sampled, num_scored, width, qlens, clens, groups, npatch, p_len)
 
 
 def placeholders(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -129,6 +139,7 @@ class Runner:
         self.block_size = block_size
         self.device = device
         self.graphs = None            # DecodeGraphs, once captured (a GPU replica with cuda_graphs)
+        self.piecewise = None         # PiecewiseGraphs: steps with prompt chunks, the layers' dense parts replayed
         self.ragged = getattr(model.ops, "RAGGED_PREFILL", False)   # the op set takes prefill_groups
 
     def execute(self, plan: StepPlan, pending: torch.Tensor | None = None,
@@ -141,19 +152,25 @@ class Runner:
             logits = self.graphs.run(plan, pending)
             if logits is not None:
                 return logits
-        h = host_inputs(plan, self.block_size, self.ragged, pending is not None)
+        pw = self.piecewise
+        pad = pw.bucket(plan.num_tokens) if pw is not None else 0
+        h = host_inputs(plan, self.block_size, self.ragged, pending is not None, pad,
+                        pw.scratch_slot if pad else 0)
         buf = torch.from_numpy(h.buf)
         if self.device.type != "cpu":
             # Pinned (torch's caching host allocator keeps the block until the copy is done), then one
             # asynchronous copy: no sync here; the sampler's one read-back per step is the sync.
             buf = buf.pin_memory().to(self.device, non_blocking=True)
-        t, n, r, w = h.num_tokens, len(h.query_lens), h.num_sampled + h.num_scored, h.width
+        t, n, r, w, p = h.num_tokens, len(h.query_lens), h.num_sampled + h.num_scored, h.width, h.padded
         if h.patch:
             fill_pending(buf[:t], buf[-2 * h.patch:-h.patch], buf[-h.patch:], pending)
-        o = 3 * t + 2 * n + 1                         # [T] ids, positions, slots; [S] clens; [S+1] qsl
-        meta = AttentionMetadata(slot_mapping=buf[2 * t:3 * t], block_tables=buf[o + r:o + r + n * w].view(n, w),
-                                 context_lens=buf[3 * t:3 * t + n], query_start_loc=buf[3 * t + n:o],
+        o = 3 * p + 2 * n + 1                         # [P] ids, positions, slots; [S] clens; [S+1] qsl
+        meta = AttentionMetadata(slot_mapping=buf[2 * p:2 * p + t],
+                                 block_tables=buf[o + r:o + r + n * w].view(n, w),
+                                 context_lens=buf[3 * p:3 * p + n], query_start_loc=buf[3 * p + n:o],
                                  num_decodes=plan.num_decodes, max_context_len=max(h.context_lens),
                                  query_lens=h.query_lens, context_lens_host=h.context_lens,
                                  prefill_groups=device_groups(buf, h.groups) if h.groups else None)
-        return self.model.forward(buf[:t], buf[t:2 * t], self.kv_caches, meta, buf[o:o + r], between_layers)
+        if pad:
+            return pw.forward(buf[:3 * p], t, meta, buf[o:o + r], between_layers)
+        return self.model.forward(buf[:t], buf[p:p + t], self.kv_caches, meta, buf[o:o + r], between_layers)

@@ -3,7 +3,7 @@ on the very same weights, in one run (issue 6's figures; docs/benchmarks.md).
 
     python -m mii_async.bench.llama8b [--only parity,bs1,offline,mixed,profile] [--json results.json]
         [--mixed-budgets 1024,1536,2048] [--step-token-multiples 0,64,128] [--mma-warps 2,4]
-        [--mixed-num-seqs 256,320] [--repeat 2]
+        [--mixed-num-seqs 256,320] [--piecewise 1,0] [--repeat 2]
 
 parity   last-position prefill logits (4 prompts) and one decode step against transformers' forward; greedy
          agreement over 64 tokens for 32 prompts of 128 tokens
@@ -135,16 +135,17 @@ def bs1(hf, engine, new: int = 128) -> dict:
     """ms per decode step at batch 1 after a 128-token prompt: ours with graphs, ours eager, HF generate."""
     out = {}
     p = prompts(1, 128, 128, 3)[0]
-    graphs = engine.runner.graphs
+    graphs, pieces = engine.runner.graphs, engine.runner.piecewise
     for name, g in (("graphs", graphs), ("eager", None)):
         if name == "graphs" and graphs is None:
             continue
         engine.runner.graphs = g
+        engine.runner.piecewise = pieces if g is not None else None
         drain(engine, [(p, 8)], 40_000)                     # warm-up
         _, times = drain(engine, [(p, new + 1)], 41_000)
         t = times[41_000]
         out[f"ours_{name}_ms_per_step"] = 1e3 * statistics.median(b - a for a, b in zip(t[1:], t[2:]))
-    engine.runner.graphs = graphs
+    engine.runner.graphs, engine.runner.piecewise = graphs, pieces
     ids = torch.tensor([p], device="cuda")
     mask = torch.ones_like(ids)
 
@@ -210,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="decode attention's tensor-core kernel at this block width (2 or 4) for every batch "
                          "(default: kernels/decode_attention.py's choice by batch); mixed: a comma list runs the "
                          "load once per width, in one process, each with graphs of its own")
+    ap.add_argument("--piecewise", default=None,
+                    help="mixed: a comma list of 1 / 0 runs the load with and without the piecewise graphs of steps "
+                         "with prompt chunks, in one process")
     ap.add_argument("--late-tokens", action="store_true",
                     help="mixed: tokens handed over at the end of each step (engine.step() without emit)")
     a = ap.parse_args(argv)
@@ -235,14 +239,18 @@ def main(argv: list[str] | None = None) -> int:
     if engine.runner.graphs is not None:
         results["graph_capture_s"] = engine.runner.graphs.capture_seconds
         results["graph_memory_gib"] = engine.runner.graphs.memory / 2**30
+    if engine.runner.piecewise is not None:
+        results["piecewise_capture_s"] = engine.runner.piecewise.capture_seconds
+        results["piecewise_memory_gib"] = engine.runner.piecewise.memory / 2**30
     sched_cfg = engine.config.scheduler
     steps = {"parity": lambda: parity(hf, engine), "bs1": lambda: bs1(hf, engine),
              "offline": lambda: offline(hf, engine),
              "mixed": lambda: (mixed_sweep(engine, ints(a.mixed_budgets) or [None],
                                            ints(a.step_token_multiples) or [sched_cfg.step_token_multiple or 0],
                                            a.repeat, not a.late_tokens, warps if len(warps) > 1 else [None],
-                                           ints(a.mixed_num_seqs) or [None])
-                               if a.mixed_budgets or a.step_token_multiples or a.mixed_num_seqs or len(warps) > 1
+                                           ints(a.mixed_num_seqs) or [None], ints(a.piecewise) or [None])
+                               if (a.mixed_budgets or a.step_token_multiples or a.mixed_num_seqs or len(warps) > 1
+                                   or a.piecewise)
                                else mixed(engine, early=not a.late_tokens)),
              "profile": lambda: {"bs1": profile(engine, 1), "bs256": profile(engine, 256),
                                  "mixed_128_decodes_1024_prompts": profile(engine, 128, prompt_len=1024),

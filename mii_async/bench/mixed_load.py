@@ -19,14 +19,16 @@ from .token_prompts import prompts
 
 
 def mixed_sweep(engine, budgets: list[int | None], multiples: list[int], repeat: int, early: bool = True,
-                warps: list[int | None] = (None,), num_seqs: list[int | None] = (None,)) -> dict:
-    """The mixed load once per (repeat, decode-attention width, max_num_seqs, mixed budget, step token
-    multiple), the variants interleaved so that the device's drift (power cap, clocks) falls on all of them
-    alike; the scheduler's `max_num_seqs`, `max_mixed_batch_tokens` and `step_token_multiple` (0: not cut) are
-    set between runs. None keeps the engine's. With more than one width, each has decode graphs captured of
-    its own."""
+                warps: list[int | None] = (None,), num_seqs: list[int | None] = (None,),
+                pieces: list[int | None] = (None,)) -> dict:
+    """The mixed load once per (repeat, decode-attention width, piecewise graphs on / off, max_num_seqs, mixed
+    budget, step token multiple), the variants interleaved so that the device's drift (power cap, clocks) falls
+    on all of them alike; the scheduler's `max_num_seqs`, `max_mixed_batch_tokens` and `step_token_multiple`
+    (0: not cut) are set between runs. None keeps the engine's. With more than one width, each has decode
+    graphs captured of its own."""
     sched, runner = engine.scheduler, engine.runner
     start, runs = sched.config, {}
+    start_pieces = runner.piecewise
     graphs = {w: width_graphs(engine, w) for w in warps} if len(warps) > 1 else {warps[0]: runner.graphs}
     start_graphs, start_narrow = runner.graphs, decode_attention.MMA_NARROW_FROM
     mixed(engine, n=64, early=early)             # warm-up: the first eager steps of each shape
@@ -36,18 +38,21 @@ def mixed_sweep(engine, budgets: list[int | None], multiples: list[int], repeat:
                 runner.graphs = graphs[w]
                 if w is not None:
                     decode_attention.MMA_NARROW_FROM = 0 if w == 2 else None
-                for q, b, m in itertools.product(num_seqs, budgets, multiples):
+                for pw, q, b, m in itertools.product(pieces, num_seqs, budgets, multiples):
+                    runner.piecewise = start_pieces if pw is None or pw else None
                     sched.config = dataclasses.replace(
                         start, max_mixed_batch_tokens=min(b or start.max_mixed_batch_tokens, start.max_batch_tokens),
                         step_token_multiple=m or None, max_num_seqs=q or start.max_num_seqs)
                     name = (f"budget {b if b is not None else 'default'} multiple {m}"   # as asked: unique
-                            + (f" seqs {q}" if q is not None else "") + (f" warps {w}" if w is not None else ""))
+                            + (f" seqs {q}" if q is not None else "") + (f" warps {w}" if w is not None else "")
+                            + (f" pieces {pw}" if pw is not None else ""))
                     runs[f"{name} #{r}"] = res = mixed(engine, early=early)
                     print(f"mixed {name} run {r}: {res['output_tok_s']:.0f} tok/s, ITL p50 / p99 "
                           f"{res['itl_ms_p50']:.1f} / {res['itl_ms_p99']:.1f} ms, TTFT p50 "
                           f"{res['ttft_ms_p50']:.0f} ms", flush=True)
     finally:
         sched.config, runner.graphs, decode_attention.MMA_NARROW_FROM = start, start_graphs, start_narrow
+        runner.piecewise = start_pieces
     return runs
 
 

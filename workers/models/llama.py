@@ -109,38 +109,58 @@ class LlamaModel:
                 between_layers: Callable[[], None] | None = None) -> torch.Tensor:
         """input_ids, positions [T] → logits [len(sample_rows), V] fp32. `between_layers()` runs on the host
         after each layer's kernels are enqueued (the engine reads the step in flight there)."""
-        ops, spec = self.ops, self.spec
         t = input_ids.shape[0]
-        hq, hkv, d = self.num_heads, self.num_kv_heads, spec.head_dim
-        tp = self.tp
-        h = self._embed(input_ids)                                           # [T, H]
+        h = self.embed_tokens(input_ids)                                           # [T, H]
         residual: torch.Tensor | None = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            # The norms ride on the projections after them, SiLU-and-mul on gate|up (at small batches, one
-            # kernel each).
-            qkv, residual = ops.add_rms_norm_linear(h, residual, layer.input_norm, spec.rms_norm_eps, layer.qkv,
-                                                    layer.qkv_bias)                  # [T, (Hq + 2 Hkv) D]
-            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
-            q = ops.rotary_write_kv(positions, q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d),
-                                    self.cos_sin, k_cache, v_cache, meta.slot_mapping)
-            attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
-            h = ops.linear(attn.reshape(t, hq * d), layer.o, layer.o_bias)
-            if tp is not None:
-                tp.all_reduce(h)                                             # row-parallel o_proj
-            act, residual = ops.add_rms_norm_gate_up(h, residual, layer.post_norm, spec.rms_norm_eps, layer.gate_up)
-            h = ops.linear(act, layer.down)                                  # act = silu(gate) * up [T, F]
-            if tp is not None:
-                tp.all_reduce(h)                                             # row-parallel down
+            q, residual = self.pre_attention(layer, h, residual, positions, meta.slot_mapping, k_cache, v_cache)
+            attn = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
+            h, residual = self.post_attention(layer, attn.reshape(t, -1), residual)
             if between_layers is not None:
                 between_layers()
         assert residual is not None
-        logits, _ = ops.add_rms_norm_linear(h[sample_rows], residual[sample_rows], self.norm, spec.rms_norm_eps,
-                                            self.lm_head, out_dtype=torch.float32 if tp is None else None)
+        return self.head(h, residual, sample_rows)
+
+    # A layer in two parts around its attention: the parts a piecewise CUDA graph holds (piecewise_graphs.py).
+    def pre_attention(self, layer: LayerWeights, h: torch.Tensor, residual: torch.Tensor | None,
+                      positions: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual +) norm, QKV, rotary, and this step's K/V written to the cache → q [T, Hq, D], residual."""
+        ops, spec = self.ops, self.spec
+        t = h.shape[0]
+        hq, hkv, d = self.num_heads, self.num_kv_heads, spec.head_dim
+        # The norms ride on the projections after them, SiLU-and-mul on gate|up (at small batches, one kernel
+        # each).
+        qkv, residual = ops.add_rms_norm_linear(h, residual, layer.input_norm, spec.rms_norm_eps, layer.qkv,
+                                                layer.qkv_bias)                      # [T, (Hq + 2 Hkv) D]
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
+        q = ops.rotary_write_kv(positions, q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d),
+                                self.cos_sin, k_cache, v_cache, slot_mapping)
+        return q, residual
+
+    def post_attention(self, layer: LayerWeights, attn: torch.Tensor,
+                       residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """attn [T, Hq·D] → o_proj, residual + norm, the MLP → h [T, H], residual."""
+        ops, tp = self.ops, self.tp
+        h = ops.linear(attn, layer.o, layer.o_bias)
+        if tp is not None:
+            tp.all_reduce(h)                                                 # row-parallel o_proj
+        act, residual = ops.add_rms_norm_gate_up(h, residual, layer.post_norm, self.spec.rms_norm_eps, layer.gate_up)
+        h = ops.linear(act, layer.down)                                      # act = silu(gate) * up [T, F]
+        if tp is not None:
+            tp.all_reduce(h)                                                 # row-parallel down
+        return h, residual
+
+    def head(self, h: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The final norm and the LM head, on `rows` only → logits [len(rows), V] fp32."""
+        tp = self.tp
+        logits, _ = self.ops.add_rms_norm_linear(h[rows], residual[rows], self.norm, self.spec.rms_norm_eps,
+                                                 self.lm_head, out_dtype=torch.float32 if tp is None else None)
         if tp is not None:                                                   # [S, V] (or [S, ceil(V/T)])
-            logits = tp.all_gather_last(logits)[:, :spec.vocab_size].float()  # vocab-parallel lm_head
+            logits = tp.all_gather_last(logits)[:, :self.spec.vocab_size].float()  # vocab-parallel lm_head
         return logits
 
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.shard is None:
             return self.embed[input_ids]
         lo, hi = self.shard.vocab                                            # vocab-parallel: mask, then sum
