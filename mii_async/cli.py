@@ -84,7 +84,8 @@ def _serve(a: argparse.Namespace) -> int:
         worker_port=a.worker_port, max_queued_requests=a.max_queued_requests, drain_timeout_s=a.drain_timeout,
         curve_dir=a.curve_dir, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
         **{k: v for k in ("kv_cache_memory", "gpu_memory_utilization", "max_batch_tokens", "max_mixed_batch_tokens",
-                          "max_num_seqs", "step_token_multiple") if (v := getattr(a, k)) is not None}))
+                          "max_num_seqs", "step_token_multiple") if (v := getattr(a, k)) is not None},
+        **({"cuda_graphs": False} if a.enforce_eager else {})))
     http = None
     if not a.no_http:
         http = HttpConfig(http_host=a.http_host, http_port=a.http_port, served_model_name=a.served_model_name,
@@ -210,6 +211,8 @@ def _serve_parser(sub: Any) -> None:
                         "can give up the rest (the GEMMs' tile; default: not cut)")
     s.add_argument("--max-num-seqs", type=int, default=None,
                    help="requests running at once per replica (default: 64 on CPU, 256 on a GPU)")
+    s.add_argument("--enforce-eager", action="store_true",
+                   help="GPU: no CUDA graphs (neither decode graphs nor the piecewise graphs of prompt steps)")
     _http_args(s)
     s.add_argument("--no-http", action="store_true", help="no gateway: only the router's ZeroMQ socket")
     s.add_argument("--status-json", action="store_true", help="also print the ready status as one JSON line")

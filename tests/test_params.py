@@ -48,7 +48,8 @@ def test_unknown_keys_are_rejected():
                                         ("num_blocks", 0), ("max_batch_tokens", -1), ("max_num_seqs", 0),
                                         ("kv_cache_memory", 0), ("max_model_len", 0),
                                         ("max_mixed_batch_tokens", 0), ("step_token_multiple", 0),
-                                        ("step_token_multiple", 2.5)])
+                                        ("step_token_multiple", 2.5), ("cuda_graphs", "yes"),
+                                        ("piecewise_graphs", 1)])
 def test_bad_engine_option_names_it(name, value):
     """Bad engine options raise InvalidParameterError naming the option."""
     with pytest.raises(InvalidParameterError) as info:
