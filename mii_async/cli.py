@@ -208,7 +208,7 @@ def _serve_parser(sub: Any) -> None:
                         "(default: 1536 on a GPU, --max-batch-tokens on CPU)")
     s.add_argument("--step-token-multiple", type=int, default=None,
                    help="cut a step with prompt chunks to a multiple of this many tokens where its newest chunk "
-                        "can give up the rest (the GEMMs' tile; default: not cut)")
+                        "can give up the rest (the GEMMs' tile; default: 64 on a GPU, not cut on CPU; 1: not cut)")
     s.add_argument("--max-num-seqs", type=int, default=None,
                    help="requests running at once per replica (default: 64 on CPU, 256 on a GPU)")
     s.add_argument("--enforce-eager", action="store_true",

@@ -84,10 +84,11 @@ class SchedulerConfig:
                                          # max_batch_tokens; None: on a GPU 1536, on CPU
                                          # max_batch_tokens (no separate budget)
     step_token_multiple: int | None = None  # a step with prompt chunks is cut to a multiple of this many tokens
-                                         # (the GEMMs' tile along tokens) where its newest chunk can give up the
-                                         # rest, which goes to the next step; None: not cut
+                                         # (the GEMMs' tile along tokens, the piecewise graphs' bucket) where its
+                                         # newest chunk can give up the rest, which goes to the next step; None:
+                                         # 64 on a GPU, not cut on CPU; 1: not cut
 
-    DEFAULTS = {"cpu": (512, 64, None), "cuda": (2048, 256, 1536)}
+    DEFAULTS = {"cpu": (512, 64, None, None), "cuda": (2048, 256, 1536, 64)}
 
     def __post_init__(self) -> None:
         _pos_int(self, "max_batch_tokens", optional=True)
@@ -99,10 +100,11 @@ class SchedulerConfig:
 
     def resolved(self, device_type: str) -> SchedulerConfig:
         """This config with the device's defaults in place of None."""
-        tokens, seqs, mixed = self.DEFAULTS["cuda" if device_type == "cuda" else "cpu"]
+        tokens, seqs, mixed, multiple = self.DEFAULTS["cuda" if device_type == "cuda" else "cpu"]
         tokens = self.max_batch_tokens or tokens
         return SchedulerConfig(tokens, self.max_num_seqs or seqs, self.async_scheduling,
-                               min(self.max_mixed_batch_tokens or mixed or tokens, tokens), self.step_token_multiple)
+                               min(self.max_mixed_batch_tokens or mixed or tokens, tokens),
+                               self.step_token_multiple or multiple)
 
 
 @dataclass(frozen=True)

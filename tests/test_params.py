@@ -65,7 +65,9 @@ def test_mixed_budget_defaults():
     assert SchedulerConfig(max_batch_tokens=1024).resolved("cuda").max_mixed_batch_tokens == 1024
     assert SchedulerConfig(max_batch_tokens=4096).resolved("cpu").max_mixed_batch_tokens == 4096
     assert SchedulerConfig(max_mixed_batch_tokens=256).resolved("cuda").max_mixed_batch_tokens == 256
-    assert SchedulerConfig().resolved("cuda").step_token_multiple is None          # off until measured
+    assert SchedulerConfig().resolved("cuda").step_token_multiple == 64            # the piecewise buckets' step
+    assert SchedulerConfig().resolved("cpu").step_token_multiple is None
+    assert SchedulerConfig(step_token_multiple=1).resolved("cuda").step_token_multiple == 1   # 1: not cut
     assert SchedulerConfig(step_token_multiple=128).resolved("cpu").step_token_multiple == 128
 
 

@@ -140,7 +140,7 @@ class Engine:
             log.info("%s; graphs measured %.2f GiB; token budget %d per step (%d while requests decode%s), %d "
                      "sequences at most", self.memory_plan.describe(), measured / 2**30, sched.max_batch_tokens,
                      sched.max_mixed_batch_tokens,
-                     f"; steps cut to multiples of {m}" if (m := sched.step_token_multiple) else "",
+                     f"; steps cut to multiples of {m}" if (m := sched.step_token_multiple or 1) > 1 else "",
                      sched.max_num_seqs)
         self.seqs: dict[int, Sequence] = {}
         self.num_steps = 0

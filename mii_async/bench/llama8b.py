@@ -198,13 +198,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mixed-budgets", default=None,
                     help="mixed: run the load once per max_mixed_batch_tokens in this comma list, in one process")
     ap.add_argument("--step-token-multiples", default=None,
-                    help="mixed: run the load once per step_token_multiple in this comma list (0: not cut), in "
+                    help="mixed: run the load once per step_token_multiple in this comma list (0 or 1: not cut), in "
                          "one process (with --mixed-budgets, once per pair)")
     ap.add_argument("--mixed-num-seqs", default=None,
                     help="mixed: run the load once per max_num_seqs in this comma list, in one process (the engine "
                          "is built for the largest: its decode graphs cover every batch)")
     ap.add_argument("--step-token-multiple", type=int, default=None,
-                    help="the scheduler's step_token_multiple (default: none, steps are not cut)")
+                    help="the scheduler's step_token_multiple (default: 64 on a GPU; 1: steps are not cut)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="mixed with a list of variants (budgets, multiples, num seqs, widths): rounds over them")
     ap.add_argument("--mma-warps", default=None,

@@ -42,7 +42,7 @@ def mixed_sweep(engine, budgets: list[int | None], multiples: list[int], repeat:
                     runner.piecewise = start_pieces if pw is None or pw else None
                     sched.config = dataclasses.replace(
                         start, max_mixed_batch_tokens=min(b or start.max_mixed_batch_tokens, start.max_batch_tokens),
-                        step_token_multiple=m or None, max_num_seqs=q or start.max_num_seqs)
+                        step_token_multiple=m or 1, max_num_seqs=q or start.max_num_seqs)
                     name = (f"budget {b if b is not None else 'default'} multiple {m}"   # as asked: unique
                             + (f" seqs {q}" if q is not None else "") + (f" warps {w}" if w is not None else "")
                             + (f" pieces {pw}" if pw is not None else ""))
