@@ -6,7 +6,8 @@
                with its id, type, name and arguments "" when its name is read, then its arguments as they come
     named      the guided text is the one call's arguments: the first delta names it, the text follows
 
-A call's `arguments` is JSON text. A choice that made calls finishes with "tool_calls". An answer cut by
+A call's `arguments` is JSON text. A choice that made calls finishes with "tool_calls", except under a named
+tool_choice, where it finishes with "stop" (as OpenAI answers, streamed or not). An answer cut by
 max_tokens (finish_reason "length"), or aborted, is text: non-streamed, its content as written and no calls (as
 vLLM); streamed, the calls already sent stand and what was held back goes out as content.
 """
@@ -43,7 +44,12 @@ def tool_message(mode: ToolMode, text: str, finish_reason: str) -> tuple[dict[st
         content, calls = None, _array_calls(text, mode)
     if not calls:
         return plain, finish_reason
-    return {"role": "assistant", "content": content, "tool_calls": [_call(*c) for c in calls]}, "tool_calls"
+    return {"role": "assistant", "content": content, "tool_calls": [_call(*c) for c in calls]}, _made(mode)
+
+
+def _made(mode: ToolMode) -> str:
+    """The finish_reason of a choice that made its calls: OpenAI's "stop" for a forced named call."""
+    return "stop" if mode.choice == "named" else "tool_calls"
 
 
 def _is_json(text: str) -> bool:
@@ -109,7 +115,7 @@ class ToolDeltas:
             made = bool(_array_calls(self.text, self.mode))
         else:
             made = _is_json(self.text)
-        return out, "tool_calls" if made and finish_reason == "stop" else finish_reason
+        return out, _made(self.mode) if made and finish_reason == "stop" else finish_reason
 
     def _from_parser(self, item: str | Call) -> dict[str, Any]:
         if isinstance(item, str):

@@ -85,12 +85,13 @@ def test_required_calls_are_given_tools_with_arguments_in_their_schemas(oai, mod
 
 
 def test_a_named_function_is_called_with_its_arguments(oai, model, gateway_url):
-    """tool_choice naming a function: one call of it, arguments in its schema; streamed, the first delta has
-    the id, type, name and arguments "", then the arguments come in pieces that add up to the plain answer's."""
+    """tool_choice naming a function: one call of it, arguments in its schema, finish_reason "stop" (as OpenAI
+    answers a forced named call); streamed, the first delta has the id, type, name and arguments "", then the
+    arguments come in pieces that add up to the plain answer's."""
     kw = dict(model=model, messages=[{"role": "user", "content": "What is 20 plus 22?"}], tools=TOOLS,
               tool_choice={"type": "function", "function": {"name": "add"}}, temperature=0, max_tokens=40)
     r = oai.chat.completions.create(**kw)
-    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls[0].function.name == "add"
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.tool_calls[0].function.name == "add"
     _check_calls(r.choices[0].message, one=True)
     chunks = [c for c in oai.chat.completions.create(**kw, stream=True) if c.choices]
     parts = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
@@ -98,7 +99,7 @@ def test_a_named_function_is_called_with_its_arguments(oai, model, gateway_url):
     assert (parts[0].function.name, parts[0].function.arguments) == ("add", "")
     assert len(parts) > 3 and all(p.index == 0 and p.id is None and p.function.name is None for p in parts[1:])
     assert "".join(p.function.arguments for p in parts) == r.choices[0].message.tool_calls[0].function.arguments
-    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["stop"]
     assert _calls(_streamed(oai, **kw).choices[0].message) == _calls(r.choices[0].message)
 
 

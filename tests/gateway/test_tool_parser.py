@@ -181,24 +181,24 @@ def _joined(deltas):
     return [calls[i] for i in sorted(calls)]
 
 
-@pytest.mark.parametrize("choice, text, calls", [
+@pytest.mark.parametrize("choice, text, calls, finish", [
     ("required", '[{"name": "add", "arguments": {"a": 1}}, {"name": "get_weather", "arguments": {}}]',
-     [("add", '{"a": 1}'), ("get_weather", "{}")]),
-    ({"type": "function", "function": {"name": "add"}}, '{"a": 1, "b": 2}', [("add", '{"a": 1, "b": 2}')]),
-    ("auto", f"Sure. <tool_call>{A}</tool_call>", [("add", '{"a": 1, "b": 2}')]),
+     [("add", '{"a": 1}'), ("get_weather", "{}")], "tool_calls"),
+    ({"type": "function", "function": {"name": "add"}}, '{"a": 1, "b": 2}', [("add", '{"a": 1, "b": 2}')], "stop"),
+    ("auto", f"Sure. <tool_call>{A}</tool_call>", [("add", '{"a": 1, "b": 2}')], "tool_calls"),
 ])
-def test_streamed_and_whole_messages_agree(choice, text, calls):
+def test_streamed_and_whole_messages_agree(choice, text, calls, finish):
     """Each mode's stream deltas, joined as clients do, give the whole message's calls (ids aside), each call's
-    id once; both finish with tool_calls."""
+    id once; both finish alike: tool_calls, or stop under a named function (OpenAI's answer there)."""
     mode = tool_mode(TOOLS, choice, None)
     message, reason = tool_message(mode, text, "stop")
-    assert reason == "tool_calls"
+    assert reason == finish
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == calls
     assert all(c["id"].startswith("call_") and c["type"] == "function" for c in message["tool_calls"])
     for pieces in ([text], list(text), [text[:7], text[7:20], text[20:]]):
         deltas, reason = _deltas(mode, pieces)
         joined = _joined(deltas)
-        assert reason == "tool_calls" and [(c["name"], c["arguments"]) for c in joined] == calls
+        assert reason == finish and [(c["name"], c["arguments"]) for c in joined] == calls
         assert all(c["id"].startswith("call_") and len(c["id"]) == 29 for c in joined)
         content = "".join(d.get("content", "") for d in deltas)
         assert content == (message["content"] or "")
