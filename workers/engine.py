@@ -110,12 +110,8 @@ class Engine:
         elif self.device.type != "cuda" or cc.kv_cache_memory is not None:
             num_blocks = int((cc.kv_cache_memory or cc.CPU_KV_GIB) * 2**30 // per_block)
         else:
-            reserve = graph_reserve(max_graph_batch, spec.vocab_size) if graphs else 0
-            if piecewise:
-                d, hq = spec.head_dim, self.model.num_heads
-                reserve += piecewise_reserve(piecewise_tokens, spec.hidden_size, hq * d,
-                                             (hq + 2 * kv_spec.num_kv_heads) * d, spec.intermediate_size,
-                                             self.dtype.itemsize)
+            reserve = ((graph_reserve(max_graph_batch, spec.vocab_size) if graphs else 0)
+                       + (piecewise_reserve(self.model, piecewise_tokens) if piecewise else 0))
             self.memory_plan = self._plan_memory(kv_spec, per_block, sched, reserve)
             num_blocks = self.memory_plan.num_blocks
         num_blocks = max(1, num_blocks)

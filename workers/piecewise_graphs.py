@@ -48,12 +48,16 @@ def token_buckets(max_tokens: int) -> list[int]:
     return out + [b]
 
 
-def piecewise_reserve(max_tokens: int, hidden: int, q_width: int, qkv_width: int, ffn: int, dtype_bytes: int) -> int:
-    """What the memory plan sets aside for the piecewise graphs before they exist: the static buffers and one
-    piece's working set at the largest bucket (QKV, q, two residuals, the hidden state, gate|up and its SiLU),
-    twice over for the allocator's rounding, plus 64 MiB."""
-    static = max_tokens * (3 * 8 + (2 * q_width + 2 * hidden) * dtype_bytes)
-    piece = max_tokens * (qkv_width + q_width + 4 * hidden + 3 * ffn) * dtype_bytes
+def piecewise_reserve(model, max_tokens: int) -> int:
+    """What the memory plan sets aside for the piecewise graphs of `model` before they exist: the static
+    buffers and one piece's working set at the largest bucket (QKV, q, two residuals, the hidden state,
+    gate|up and its SiLU), twice over for the allocator's rounding, plus 64 MiB."""
+    spec, size = model.spec, model.embed.element_size()
+    d, hidden, ffn = spec.head_dim, spec.hidden_size, spec.intermediate_size
+    q_width, qkv_width = model.num_heads * d, (model.num_heads + 2 * model.num_kv_heads) * d
+    m = token_buckets(max_tokens)[-1]
+    static = m * (3 * 8 + (2 * q_width + 2 * hidden) * size)
+    piece = m * (qkv_width + q_width + 4 * hidden + 3 * ffn) * size
     return static + 2 * piece + (64 << 20)
 
 

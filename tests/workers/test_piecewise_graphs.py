@@ -87,6 +87,17 @@ def test_logits_equal_and_large_steps_stay_eager(tiny_model):
     assert pw.replays == before
 
 
+def test_the_memory_reserve_covers_the_static_buffers(tiny_model):
+    """The memory plan's reserve for the pieces holds at least their static buffers, with room for a piece's
+    working set at the largest bucket."""
+    from mii_async.workers.piecewise_graphs import piecewise_reserve
+
+    engine = make_engine(tiny_model("qwen2"), num_blocks=16)
+    pw = _attach_eager_pieces(engine, 100)                   # buckets up to 112
+    static = sum(t.numel() * t.element_size() for t in (pw.io, pw.q, pw.attn, pw.h, pw.res))
+    assert pw.max_tokens == 112 and static + (64 << 20) < piecewise_reserve(engine.model, 100)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernels", ["reference", "cuda"])
 def test_captured_pieces_equal_eager_on_the_gpu(tmp_path, kernels):
