@@ -31,10 +31,15 @@ class Logprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)   # (token id, logprob), best first
+    rank: int | None = None      # a prompt token's rank at its position (1: the most likely; as likely counts
+                                 # before it); None for sampled tokens
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON's form (the gateway's REST and WebSocket answers): top as [[id, logprob], …]."""
-        return {"token_id": self.token_id, "logprob": self.logprob, "top": [list(t) for t in self.top]}
+        """JSON's form (the gateway's REST and WebSocket answers): top as [[id, logprob], …]; rank when known."""
+        out = {"token_id": self.token_id, "logprob": self.logprob, "top": [list(t) for t in self.top]}
+        if self.rank is not None:
+            out["rank"] = self.rank
+        return out
 
 
 @dataclass

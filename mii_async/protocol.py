@@ -21,17 +21,18 @@ import msgpack
 
 from .packed import PromptLogprobs, as_prompt_logprobs, pack_ids, unpack
 
-PROTOCOL_VERSION = 4                  # 2: DeltaBatch, StatsQuery.reset_prefix_cache; 3: prompt_logprobs
+PROTOCOL_VERSION = 5                  # 2: DeltaBatch, StatsQuery.reset_prefix_cache; 3: prompt_logprobs
                                       # (StepTokens, Delta): a peer of 2 refuses them as unknown fields;
-                                      # 4: prompt_logprobs as packed arrays (PromptLogprobs), not nested lists
+                                      # 4: prompt_logprobs as packed arrays (PromptLogprobs), not nested lists;
+                                      # 5: PromptLogprobs carry each prompt token's rank
 MAX_FRAME_BYTES = 16 * 2**20          # also the sockets' ZMQ_MAXMSGSIZE
 MAX_ITEMS = 1 << 20                    # longest msgpack array or map, and bin length in ids
 MAX_BATCH_DELTAS = 1 << 14             # Deltas in one DeltaBatch at most (each is checked and built on decode)
 MAX_PROMPT_LOGPROBS_BYTES = 4 * 2**20  # one request's prompt logprobs (with its prompt ids) in a frame at most,
                                        # by packed.prompt_logprobs_bytes: the router refuses a request that needs more.
-                                       # Packed, that is 262k prompt tokens at n = 1, 25k at n = 20; what
+                                       # Packed, that is 209k prompt tokens at n = 1, 24k at n = 20; what
                                        # bounds it is the client, which makes Logprob objects of them all at
-                                       # once (0.5 s on its loop for 262k at n = 1, 0.1 s for 25k at n = 20)
+                                       # once (~0.4 s on its loop for 209k at n = 1, 0.1 s for 24k at n = 20)
 
 ENGINE_COUNTERS = ("num_blocks", "free_blocks", "used_blocks", "cached_blocks", "prefix_hit_tokens",
                    "prefix_query_tokens", "running", "waiting", "preemptions", "steps")
@@ -39,7 +40,7 @@ ENGINE_COUNTERS = ("num_blocks", "free_blocks", "used_blocks", "cached_blocks", 
                                        # them, each key present (0 when no replica answered)
 
 _IDS = {"ids": True}                   # field metadata: a packed token-id array on the wire
-_PLPS = {"plps": "one"}                # a PromptLogprobs ([n, own, top_ids, top_logprobs] on the wire)
+_PLPS = {"plps": "one"}                # a PromptLogprobs ([n, own, top_ids, top_logprobs, ranks] on the wire)
 _EACH_PLPS = {"plps": "each"}          # a list of PromptLogprobs or None
 
 
@@ -231,7 +232,7 @@ def _unpack_ids(b: Any, name: str) -> list[int]:
 
 def _unpack_prompt_logprobs(x: Any, name: str) -> PromptLogprobs:
     if type(p := as_prompt_logprobs(x)) is not PromptLogprobs:
-        raise ProtocolError(f"field {name!r} must be [n, own, top_ids, top_logprobs] of packed arrays")
+        raise ProtocolError(f"field {name!r} must be [n, own, top_ids, top_logprobs, ranks] of packed arrays")
     return p
 
 

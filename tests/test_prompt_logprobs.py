@@ -111,7 +111,7 @@ def test_request_state_keeps_logprobs_only_for_a_response(model_dir, prompts):
     prompt = prompts[2]
     params = SamplingParams.from_kwargs(max_new_tokens=2, logprobs=1, prompt_logprobs=1)
     plps = pack([(-1.0 - i, [(7, -0.5)]) for i in range(1, len(prompt))], 1)
-    want = [None] + [Logprob(t, -1.0 - i, [(7, -0.5)]) for i, t in enumerate(prompt[1:], 1)]
+    want = [None] + [Logprob(t, -1.0 - i, [(7, -0.5)], 2) for i, t in enumerate(prompt[1:], 1)]
     events = [NS(token_id=5, logprobs=NS(logprob=-0.25, top=[(5, -0.25)]), finish_reason=None, cached_tokens=0,
                  prompt_logprobs=plps),
               NS(token_id=6, logprobs=NS(logprob=-0.5, top=[(6, -0.5)]), finish_reason="length", cached_tokens=0,

@@ -66,14 +66,15 @@ def test_prompt_logprobs_bytes_bounds_the_encoded_size(n):
 
 
 def test_prompt_logprobs_travel_packed():
-    """A prompt's logprobs travel as [n, own, top_ids, top_logprobs]: float32 and uint32 little-endian bins, not
-    msgpack lists, and decode to Logprobs with the prompt's ids (None first, top best first)."""
+    """A prompt's logprobs travel as [n, own, top_ids, top_logprobs, ranks]: float32 and uint32 little-endian
+    bins, not msgpack lists, and decode to Logprobs with the prompt's ids (None first, top best first, the
+    rank)."""
     frame = msgpack.unpackb(p.encode(p.Delta("r", "", [5], None, None, None, None, [1, 3], PLPS)))
     assert frame["prompt_logprobs"] == [2, b"\x00\x00\x20\xc0", bytes([3, 0, 0, 0, 9, 0, 0, 0]),
-                                        b"\x00\x00\x00\xbe\x00\x00\x40\xc0"]
+                                        b"\x00\x00\x00\xbe\x00\x00\x40\xc0", bytes([2, 0, 0, 0])]
     d = p.decode(p.encode(p.Delta("r", "", [5], None, None, None, None, [1, 3], PLPS)))
-    assert d.prompt_logprobs.to_logprobs(d.prompt_ids) == [None, Logprob(3, -2.5, [(3, -0.125), (9, -3.0)])]
-    assert pack([(-1.0, [])] * 3, 0).to_logprobs([1, 2, 3, 4]) == [None] + [Logprob(t, -1.0, []) for t in (2, 3, 4)]
+    assert d.prompt_logprobs.to_logprobs(d.prompt_ids) == [None, Logprob(3, -2.5, [(3, -0.125), (9, -3.0)], 2)]
+    assert pack([(-1.0, [])] * 3, 0).to_logprobs([1, 2, 3, 4]) == [None] + [Logprob(t, -1.0, [], 1) for t in (2, 3, 4)]
 
 
 def _delta_frame(plps, prompt_ids=(1, 3)):

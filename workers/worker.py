@@ -239,10 +239,10 @@ _prompt_lps = attrgetter("prompt_logprobs")     # a PromptLogprobs (a non-empty 
 
 
 def _packed_bytes(plps: P.PromptLogprobs | None) -> int:
-    """One output's prompt logprobs on the wire: their three arrays and a few bytes of msgpack headers."""
+    """One output's prompt logprobs on the wire: their four arrays and a few bytes of msgpack headers."""
     if plps is None:
         return 0
-    return 24 + len(plps.own) + len(plps.top_ids) + len(plps.top_logprobs)
+    return 32 + len(plps.own) + len(plps.top_ids) + len(plps.top_logprobs) + len(plps.ranks)
 
 
 def _peak_rss_mib() -> int:

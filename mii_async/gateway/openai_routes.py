@@ -283,15 +283,15 @@ def _extend(lp: dict, more: dict) -> None:
 def _vllm_prompt_logprobs(s: GatewayState, first: StreamChunk | None, n: int) -> list | None:
     """vLLM's prompt_logprobs, from the stream's first chunk: null for the first prompt token, then per token
     {id: {"logprob", "rank", "decoded_token"}} for the token itself and the top n (ids as JSON keys are
-    strings). The top n's ranks are 1…n; the prompt token's is its place among them, or null when it is not one
-    of them (we do not know it). None if the request ended before its first token."""
+    strings). The top n's ranks are 1…n; the prompt token's is its rank in the whole vocabulary (the engine
+    counts it). None if the request ended before its first token."""
     if first is None or first.prompt_logprobs is None:
         return None
     out: list[dict | None] = [None]
     for lp in first.prompt_logprobs[1:]:
         tid = lp.token_id
         top = lp.top[:n]
-        rank = next((r for r, (i, _) in enumerate(top, 1) if i == tid), None)
+        rank = lp.rank if lp.rank is not None else next((r for r, (i, _) in enumerate(top, 1) if i == tid), None)
         entry = {str(tid): {"logprob": lp.logprob, "rank": rank, "decoded_token": s.token_text(tid)}}
         for r, (i, v) in enumerate(top, 1):
             entry.setdefault(str(i), {"logprob": v, "rank": r, "decoded_token": s.token_text(i)})

@@ -80,7 +80,8 @@ def _finite(v: Any) -> bool:
 def _prompt_logprobs(x: Any, prompt_len: int, n: int, vocab_size: int) -> P.PromptLogprobs | None:
     """A StepTokens entry's prompt logprobs, or None when malformed: PromptLogprobs of one position per prompt
     token after the first, at most `n` alternatives, finite numbers (JSON carries no inf or nan), ids inside
-    the vocabulary. Checked with numpy on the packed bytes, which then go to the client as they came."""
+    the vocabulary, ranks in 1 … vocabulary. Checked with numpy on the packed bytes, which then go to the client
+    as they came."""
     if type(x) is not P.PromptLogprobs or not x.n <= n or x.num_positions != prompt_len - 1:
         return None                                # (decode checked the shape: lengths agree with n)
     own = np.frombuffer(x.own, "<f4")
@@ -88,6 +89,9 @@ def _prompt_logprobs(x: Any, prompt_len: int, n: int, vocab_size: int) -> P.Prom
     if not (np.isfinite(own).all() and np.isfinite(lps).all()):
         return None
     if lps.size and int(np.frombuffer(x.top_ids, "<u4").max()) >= vocab_size:
+        return None
+    ranks = np.frombuffer(x.ranks, "<u4")
+    if ranks.size and not (int(ranks.min()) >= 1 and int(ranks.max()) <= vocab_size):
         return None
     return x
 

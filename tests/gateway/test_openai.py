@@ -200,7 +200,8 @@ def test_completions_echo_with_logprobs(oai, model, deployment):
 
 def test_vllm_prompt_logprobs(model, deployment, gateway_url):
     """vLLM's prompt_logprobs: per choice on completions, once per response on chat, null first, then for each
-    prompt token {id: {logprob, rank, decoded_token}} for the token and the top n; values as the client API's.
+    prompt token {id: {logprob, rank, decoded_token}} for the token and the top n; values as the client API's,
+    the prompt token's rank its rank in the whole vocabulary (past n when it is not among the top n).
     With stream, or out of [0, 20], it is a 400 naming prompt_logprobs; max_tokens 0 with echo (a prompt scored
     without generating) is a 400 naming max_tokens."""
     prompt = "The capital of France is"
@@ -216,7 +217,9 @@ def test_vllm_prompt_logprobs(model, deployment, gateway_url):
         top_ids = [i for i, _ in want.top]
         assert {int(k) for k in got} == set(top_ids) | {want.token_id}
         assert [got[str(i)]["rank"] for i in top_ids] == [1, 2]
-        assert mine["rank"] == (top_ids.index(want.token_id) + 1 if want.token_id in top_ids else None)
+        assert mine["rank"] == want.rank == (top_ids.index(want.token_id) + 1 if want.token_id in top_ids
+                                             else mine["rank"]) and mine["rank"] >= 1
+        assert (mine["rank"] > 2) == (want.token_id not in top_ids)
     r = httpx.post(f"{gateway_url}/v1/chat/completions", timeout=60,
                    json={"model": model, "messages": QUESTION, "max_tokens": 2, "prompt_logprobs": 0, "n": 2,
                          "temperature": 0})

@@ -53,11 +53,12 @@ def _engine_output(prompt: list[int], n: int, gen: torch.Generator) -> tuple[flo
     own = -torch.rand(m, generator=gen) * 10                                      # [m]
     top_v = -torch.sort(torch.rand(m, max(n, 1), generator=gen) * 10).values[:, :n]   # [m, n], best first
     top_i = torch.randint(0, VOCAB, (m, n), generator=gen)                        # [m, n] int64
+    rank = torch.randint(1, VOCAB + 1, (m,), generator=gen)                       # [m] int64
     seq = Sequence(1, prompt, SamplingParams(max_new_tokens=1, prompt_logprobs=n))
     t = time.perf_counter()
     for a in range(0, m, ROWS):
         b = min(m, a + ROWS)
-        plmod.read_scores(plmod.PendingScores([(seq, b - a)], [n], (own[a:b], top_v[a:b], top_i[a:b])))
+        plmod.read_scores(plmod.PendingScores([(seq, b - a)], [n], (own[a:b], top_v[a:b], top_i[a:b], rank[a:b])))
     first = plmod.packed(seq) if hasattr(plmod, "packed") else seq.prompt_lps       # the engine's _read_ids
     return time.perf_counter() - t, EngineOutput(1, 5, None, None, 0, first)
 

@@ -85,14 +85,14 @@ def test_prompt_logprobs_reach_the_client(router):
     fut = _ask(client, prompt, max_new_tokens=2, prompt_logprobs=2)
     add = w.recv(P.AddRequest)
     assert add.prompt_ids == prompt and add.params["prompt_logprobs"] == 2
-    plps = pack([(-1.0 - i, [(5, -0.5), (6, -1.5)]) for i in range(3)], 2)
+    plps = pack([(-1.0 - i, [(5, -0.5), (6, -1.5)]) for i in range(3)], 2, ranks=[2, 40, 319])
     w.send(P.StepTokens([add.req_id], [7], [None], [0], None, [plps, None]))         # not parallel: dropped
     w.send(P.StepTokens([add.req_id], [8], [None], [0], None, [plps]))
     w.send(P.StepTokens([add.req_id], [9], ["length"], [0]))
     [r] = fut.result(30)
     assert r.token_ids == [8, 9]
-    assert r.prompt_logprobs == [None] + [Logprob(t, -1.0 - i, [(5, -0.5), (6, -1.5)])
-                                          for i, t in enumerate(prompt[1:])]
+    assert r.prompt_logprobs == [None] + [Logprob(t, -1.0 - i, [(5, -0.5), (6, -1.5)], rank)
+                                          for i, (t, rank) in enumerate(zip(prompt[1:], (2, 40, 319)))]
 
 
 def test_the_router_forwards_the_packed_bytes(router):
@@ -126,16 +126,20 @@ def _bad_cases():
         "one position too many": pack(good * 2, 1),
         "top arrays of 2 for n=1": raw(1, [-1.0] * 3, [5, 6] * 3, [-0.5, -1.0] * 3),
         "top ids shorter than top logprobs": [1, pack(good, 1).own, b"\x05\x00\x00\x00",
-                                              pack(good, 1).top_logprobs],
-        "a length not a whole float32": [1, b"\x00" * 11, b"\x00" * 11, b"\x00" * 11],
+                                              pack(good, 1).top_logprobs, pack(good, 1).ranks],
+        "no ranks": list(pack(good, 1))[:4],
+        "a rank short": [*list(pack(good, 1))[:4], pack(good, 1).ranks[:8]],
+        "a rank of 0": pack(good, 1, ranks=[1, 0, 2]),
+        "a rank past the vocabulary": pack(good, 1, ranks=[1, 321, 2]),
+        "a length not a whole float32": [1, b"\x00" * 11, b"\x00" * 11, b"\x00" * 11, b"\x00" * 11],
         "n larger than asked": pack([(-1.0, [(5, -0.5), (6, -1.0)])] * 3, 2),
         "a nan logprob": pack([good[0], (float("nan"), [(5, -0.5)]), good[0]], 1),
         "an inf logprob": pack([good[0], (float("-inf"), [(5, -0.5)]), good[0]], 1),
         "an inf top logprob": pack([good[0], (-1.0, [(5, float("inf"))]), good[0]], 1),
         "an id outside the vocabulary": pack([good[0], (-1.0, [(320, -0.5)]), good[0]], 1),
         "the largest id": pack([good[0], (-1.0, [(2**32 - 1, -0.5)]), good[0]], 1),
-        "a negative n": [-1, b"", b"", b""],
-        "a list, not packed": [None, [-1.0, [[5, -0.5]]], [-1.0, [[5, -0.5]]], [-1.0, [[5, -0.5]]]],
+        "a negative n": [-1, b"", b"", b"", b""],
+        "a list, not packed": [None, [-1.0, [[5, -0.5]]], [-1.0, [[5, -0.5]]], [-1.0, [[5, -0.5]]], [1]],
         "a string": "x",
     }
 
@@ -143,7 +147,8 @@ def _bad_cases():
 @pytest.mark.parametrize("case", list(_bad_cases()))
 def test_malformed_prompt_logprobs_fail_the_request(router, case):
     """Prompt logprobs that do not match the request (one position per prompt token after the first, at most
-    the alternatives it asked for, finite numbers, ids in the vocabulary) end it with finish_reason "error"
+    the alternatives it asked for, finite numbers, ids in the vocabulary, a rank in 1 … vocabulary for each
+    position) end it with finish_reason "error"
     (and an abort to the replica) instead of reaching the client malformed; a request beside it in the same
     StepTokens gets its token and its own prompt logprobs, and the next request is served as usual."""
     client, w = router
@@ -161,13 +166,13 @@ def test_malformed_prompt_logprobs_fail_the_request(router, case):
     assert r.prompt_logprobs is None
     [r2] = other.result(30)
     assert r2.token_ids == [9] and r2.logprobs == [Logprob(9, -0.25, [(9, -0.25)])]
-    assert r2.prompt_logprobs == [None, Logprob(5, -0.75, [(4, -0.5), (5, -0.75), (6, -2.0)])]
+    assert r2.prompt_logprobs == [None, Logprob(5, -0.75, [(4, -0.5), (5, -0.75), (6, -2.0)], 2)]
     after = _ask(client, [1, 5, 9, 33], max_new_tokens=1, prompt_logprobs=1)
     add3 = w.recv(P.AddRequest)
     w.send(P.StepTokens([add3.req_id], [8], ["length"], [0], None, [pack([(-1.0, [(5, -0.5)])] * 3, 1)]))
     [r3] = after.result(30)
     assert r3.finish_reason == "length"
-    assert r3.prompt_logprobs == [None] + [Logprob(t, -1.0, [(5, -0.5)]) for t in (5, 9, 33)]
+    assert r3.prompt_logprobs == [None] + [Logprob(t, -1.0, [(5, -0.5)], 2) for t in (5, 9, 33)]
 
 
 def test_prompt_logprobs_a_request_did_not_ask_for_fail_it(router):
@@ -207,4 +212,4 @@ def test_prompt_logprobs_too_big_for_a_frame_are_refused(router):
     plps = pack([(-2.0, [(5, -0.125)])] * (len(prompt) - 1), 1)
     w.send(P.StepTokens([add.req_id], [5], ["length"], [0], None, [plps]))
     [r] = fut.result(60)
-    assert len(r.prompt_logprobs) == len(prompt) and r.prompt_logprobs[-1] == Logprob(5, -2.0, [(5, -0.125)])
+    assert len(r.prompt_logprobs) == len(prompt) and r.prompt_logprobs[-1] == Logprob(5, -2.0, [(5, -0.125)], 2)

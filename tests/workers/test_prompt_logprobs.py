@@ -1,4 +1,4 @@
-"""Prompt logprobs: each prompt token's logprob (and the top n) equal transformers' log-softmax of its own
+"""Prompt logprobs: each prompt token's logprob, its rank and the top n equal transformers' log-softmax of its own
 prompt logits on the same weights, however the prompt is chunked, batched, preempted or cached, with async
 scheduling or not; requests without them are unchanged, and no KV block leaks."""
 from __future__ import annotations
@@ -32,7 +32,11 @@ def _hf_expected(path, prompts):
             lp = torch.log_softmax(model(torch.tensor([p])).logits[0].float(), -1)   # [P, V]
             own = [None] + [lp[i, p[i + 1]].item() for i in range(len(p) - 1)]
             top = [None] + [torch.topk(lp[i], TOP) for i in range(len(p) - 1)]
-            out.append((own, top))
+            # the prompt token's rank, as a range: tokens within 3e-4 of it (three times the logprobs'
+            # tolerance) may fall on either side of it
+            rank = [None] + [(int((lp[i] > own[i + 1] + 3e-4).sum()) + 1, int((lp[i] >= own[i + 1] - 3e-4).sum()))
+                             for i in range(len(p) - 1)]
+            out.append((own, top, rank))
     return out
 
 
@@ -65,10 +69,11 @@ def _run(engine, prompts, with_lp=None, **params):
 
 
 def _check(got, want, prompt):
-    own, top = want
+    own, top, rank = want
     assert got is not None and len(got) == len(prompt) and got[0] is None
     for i in range(1, len(prompt)):
         assert got[i].token_id == prompt[i] and got[i].logprob == pytest.approx(own[i], abs=1e-4), i
+        assert rank[i][0] <= got[i].rank <= rank[i][1], (i, got[i].rank, rank[i])
         ids = [t for t, _ in got[i].top]
         assert ids == top[i].indices.tolist(), i
         assert [v for _, v in got[i].top] == pytest.approx(top[i].values.tolist(), abs=1e-4)

@@ -19,7 +19,7 @@ def _plps(n_tokens: int) -> P.PromptLogprobs:
 
 
 def test_a_step_with_large_prompt_logprobs_is_cut_into_frames(monkeypatch):
-    """Outputs go out in order; one output's prompt logprobs (packed: 4 + 8n bytes a position) are never
+    """Outputs go out in order; one output's prompt logprobs (packed: 8 + 8n bytes a position) are never
     split and go out byte for byte as the engine packed them; a frame takes more outputs only while its
     prompt logprobs stay under STEP_FRAME_BYTES; a step without prompt logprobs is one frame without the
     field."""
@@ -47,7 +47,7 @@ def test_a_step_with_large_prompt_logprobs_is_cut_into_frames(monkeypatch):
         assert sent == a and frames[2].prompt_logprobs == [d]
         lps = sent.to_logprobs(list(range(100)))
         assert len(lps) == 100 and lps[0] is None
-        assert lps[5] == Logprob(5, -5.0, [(j, -0.5 * (j + 1)) for j in range(N)])
+        assert lps[5] == Logprob(5, -5.0, [(j, -0.5 * (j + 1)) for j in range(N)], 1 + N)   # all N more likely
         w._send_tokens([EngineOutput(5, 15, None, None, 0)])
         assert router.poll(5000)
         plain = P.decode(router.recv_multipart()[1])
