@@ -64,6 +64,7 @@ def profile(engine, batch: int, steps: int = 8, prompt_len: int = 0, context: in
     from torch.profiler import profile as torch_profile
 
     graphs, engine.runner.graphs = engine.runner.graphs, None
+    pieces, engine.runner.piecewise = engine.runner.piecewise, None      # eager: every kernel launched on its own
     _running(engine, batch, 70_000, context)
     arriving = prompts(steps if steady else 16, prompt_len, prompt_len, 8) if prompt_len else []
     arrive = lambda i, p, n: engine.add_request(  # noqa: E731
@@ -84,7 +85,7 @@ def profile(engine, batch: int, steps: int = 8, prompt_len: int = 0, context: in
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / steps
     _clear(engine)
-    engine.runner.graphs = graphs
+    engine.runner.graphs, engine.runner.piecewise = graphs, pieces
     cats = _categories(prof, steps)
     gpu = sum(cats.values())
     return {"batch": batch, "context": context, "prompt_len": prompt_len, "steady": steady,
