@@ -33,7 +33,7 @@ from .loader import TensorReader, WeightReader, load_spec
 from .memory_plan import MemoryPlan, plan_kv, profile_step
 from .models.llama import LlamaModel
 from .parallel import TPGroup
-from .piecewise_graphs import PiecewiseGraphs, piecewise_reserve
+from .piecewise_graphs import MAX_TOKENS as PIECEWISE_MAX_TOKENS, PiecewiseGraphs, piecewise_reserve
 from .prompt_logprobs import PendingScores, launch_scores, packed, read_scores
 from .runner import Runner
 from .sampler import PendingSample, Sampler, TokenLogprobs
@@ -102,7 +102,7 @@ class Engine:
         graphs = self.device.type == "cuda" and mc.cuda_graphs and tp is None   # TP graphs: not yet
         max_graph_batch = min(sched.max_num_seqs, 512)
         piecewise = graphs and mc.piecewise_graphs
-        piecewise_tokens = sched.max_mixed_batch_tokens or sched.max_batch_tokens
+        piecewise_tokens = min(sched.max_mixed_batch_tokens or sched.max_batch_tokens, PIECEWISE_MAX_TOKENS)
         self.memory_plan = None
         per_block = kv_cache.bytes_per_block(kv_spec, cc.block_size, self.dtype)
         if cc.num_blocks:
