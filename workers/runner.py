@@ -147,7 +147,8 @@ class Runner:
         """Runs one step; returns logits [number of sampled seqs + plan.num_scored, V]: the sampled rows in plan
         order, then the rows scored for prompt logprobs, in plan order. `pending`: the ids the step
         in flight samples, on the device, which placeholder ids in the plan stand for (async scheduling).
-        `between_layers`: called after each layer's launches of an eager forward (not a graph replay)."""
+        `between_layers`: called after each layer's launches of an eager or piecewise forward (not a decode
+        graph's replay)."""
         if self.graphs is not None:
             logits = self.graphs.run(plan, pending)
             if logits is not None:
