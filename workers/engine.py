@@ -133,6 +133,9 @@ class Engine:
             self.runner.piecewise.capture()
         if self.memory_plan is not None:
             measured = sum(g.memory for g in (self.runner.graphs, self.runner.piecewise) if g is not None)
+            if measured > self.memory_plan.graph_reserve:
+                log.warning("the CUDA graphs took %.2f GiB, more than the %.2f GiB the memory plan set aside",
+                            measured / 2**30, self.memory_plan.graph_reserve / 2**30)
             log.info("%s; graphs measured %.2f GiB; token budget %d per step (%d while requests decode%s), %d "
                      "sequences at most", self.memory_plan.describe(), measured / 2**30, sched.max_batch_tokens,
                      sched.max_mixed_batch_tokens,

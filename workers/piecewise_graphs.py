@@ -128,6 +128,8 @@ class PiecewiseGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(dev)
         for p in reversed(self.buckets):
+            self.io[:2 * p] = 0                           # the bucket's ids and positions; its padded rows'
+            self.io[2 * p:3 * p] = self.scratch_slot      # (here every row's) K/V into the scratch block
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):                 # warm-up, off the capture: kernels compile, cuBLAS
                 self._eager(p)                            # picks its algorithms and sets up its workspaces

@@ -34,9 +34,11 @@ def launch_scores(plan: StepPlan, seqs: list[Sequence], logits: torch.Tensor) ->
             spans.append((seq, s.score_to - s.score_from))
             top_n.append(seq.params.prompt_logprobs)
             targets += seq.prompt_ids[s.start_pos + s.score_from + 1:s.start_pos + s.score_to + 1]
-    lp = torch.log_softmax(logits.float(), -1).clamp_min_(-9999.0)   # JSON carries no -inf
+    lp = torch.log_softmax(logits.float(), -1)
     own = lp.gather(1, to_device(targets, lp.device)[:, None])[:, 0]
-    rank = (lp >= own[:, None]).sum(-1)            # counts the token itself
+    rank = (lp >= own[:, None]).sum(-1)            # counts the token itself (before the clamp, which ties)
+    lp.clamp_min_(-9999.0)                         # JSON carries no -inf
+    own.clamp_min_(-9999.0)
     k = max(top_n)
     top_v, top_i = torch.topk(lp, k, -1) if k else (lp[:, :0], lp[:, :0].long())
     host = (own, top_v, top_i, rank)

@@ -62,6 +62,49 @@ def test_padded_pieces_equal_the_plain_forward(tiny_model, kind, async_):
         assert not k1[-1].isnan().all() and not v1[-1].isnan().all()   # the padded rows wrote there
 
 
+def test_tokens_handed_over_between_pieces_and_prompt_logprobs(tiny_model):
+    """As a worker steps (async scheduling, `step(emit)`: the step in flight's tokens handed over between two
+    layers of the next launch), with prompt logprobs scored in padded steps: the same tokens, the same prompt
+    logprobs and ranks as the plain forward, and tokens handed over from between the pieces."""
+    import numpy as np
+
+    prompts = _prompts(11, 6)
+
+    def run(engine):
+        got: dict[int, list[int]] = {}
+        plps = {}
+        early = []
+
+        def take(outs, during):
+            for o in outs:
+                got.setdefault(o.req_id, []).append(o.token_id)
+                if o.prompt_logprobs is not None:
+                    plps[o.req_id] = o.prompt_logprobs
+            early.extend([during] * len(outs))
+
+        for i, p in enumerate(prompts):
+            engine.add_request(i, p, mii_async.SamplingParams(max_new_tokens=8, min_new_tokens=8,
+                                                              prompt_logprobs=2 if i % 2 else None))
+        while engine.has_work():
+            take(engine.step(lambda outs: take(outs, True)), False)
+        assert engine.block_manager.num_free == engine.num_blocks
+        return got, plps, sum(early)
+
+    kw = dict(num_blocks=128, max_batch_tokens=40, async_scheduling=True)
+    want, want_lps, _ = run(make_engine(tiny_model("llama"), **kw))
+    engine = make_engine(tiny_model("llama"), **kw)
+    pw = _attach_eager_pieces(engine, 48)
+    got, lps, handed_early = run(engine)
+    assert got == want and pw.replays > 0 and handed_early > 0
+    assert sorted(lps) == sorted(want_lps) == [1, 3, 5]
+    for i, p in lps.items():
+        w = want_lps[i]
+        assert (p.n, p.top_ids, p.ranks) == (w.n, w.top_ids, w.ranks)
+        for field in ("own", "top_logprobs"):
+            np.testing.assert_allclose(np.frombuffer(getattr(p, field), "<f4"),
+                                       np.frombuffer(getattr(w, field), "<f4"), atol=1e-5)
+
+
 def test_logits_equal_and_large_steps_stay_eager(tiny_model):
     """One mixed plan's logits through the pieces equal the plain forward's; a step past the largest bucket
     runs the plain forward."""
