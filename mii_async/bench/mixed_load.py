@@ -83,13 +83,14 @@ def mixed(engine, n: int = 1000, early: bool = True) -> dict:
     sched, schedule = engine.scheduler, engine.scheduler.schedule
     runner, sampler = engine.runner, engine.sampler
     execute, sample = runner.execute, sampler.launch
-    parts: dict[str, float] = {}                 # the current launch's host seconds: schedule, execute, sample
+    parts: dict[str, float] = {}                 # the current launch's host seconds: schedule, execute, sample;
+                                                 # and inside execute, its attention calls and graph replays
 
     def timed(name, fn):
-        def run(*args):
+        def run(*args, **kwargs):
             t = time.perf_counter()
             try:
-                return fn(*args)
+                return fn(*args, **kwargs)
             finally:
                 parts[name] = parts.get(name, 0.0) + time.perf_counter() - t
         return run
@@ -117,6 +118,8 @@ def mixed(engine, n: int = 1000, early: bool = True) -> dict:
         return {k: st.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_ooms")}
 
     launch = engine._launch
+    ops, replay = engine.model.ops, torch.cuda.CUDAGraph.replay
+    attention = ops.paged_attention
 
     def timed_launch(*args):
         parts.clear()
@@ -131,10 +134,14 @@ def mixed(engine, n: int = 1000, early: bool = True) -> dict:
     with StepLog(lag=int(engine.async_scheduling), counters=allocator) as log:
         sched.schedule, engine._launch = timed("schedule", logged), timed_launch
         runner.execute, sampler.launch = timed_execute, timed("sample", sample)
+        # where a slow launch waits: in the eager attention between pieces, or in a graph's replay
+        ops.paged_attention = timed("attention_in_execute", attention)
+        torch.cuda.CUDAGraph.replay = timed("replays_in_execute", replay)
         try:
             secs, times = drain(engine, reqs, 60_000, log, early)
         finally:
             del sched.schedule, engine._launch, runner.execute, sampler.launch
+            ops.paged_attention, torch.cuda.CUDAGraph.replay = attention, replay
     ttft = sorted(t[0] for t in times.values())
     itl = sorted(b - a for t in times.values() for a, b in zip(t, t[1:]))
     pct = lambda xs, q: 1e3 * xs[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
