@@ -284,7 +284,8 @@ def _vllm_prompt_logprobs(s: GatewayState, first: StreamChunk | None, n: int) ->
     """vLLM's prompt_logprobs, from the stream's first chunk: null for the first prompt token, then per token
     {id: {"logprob", "rank", "decoded_token"}} for the token itself and the top n (ids as JSON keys are
     strings). The top n's ranks are 1…n; the prompt token's is its rank in the whole vocabulary (the engine
-    counts it). None if the request ended before its first token."""
+    counts it), or, when it is one of the top n, its place there (as vLLM's dict, whose top n entries come
+    last, has it even where the token ties with others). None if the request ended before its first token."""
     if first is None or first.prompt_logprobs is None:
         return None
     out: list[dict | None] = [None]
@@ -294,7 +295,7 @@ def _vllm_prompt_logprobs(s: GatewayState, first: StreamChunk | None, n: int) ->
         rank = lp.rank if lp.rank is not None else next((r for r, (i, _) in enumerate(top, 1) if i == tid), None)
         entry = {str(tid): {"logprob": lp.logprob, "rank": rank, "decoded_token": s.token_text(tid)}}
         for r, (i, v) in enumerate(top, 1):
-            entry.setdefault(str(i), {"logprob": v, "rank": r, "decoded_token": s.token_text(i)})
+            entry[str(i)] = {"logprob": v, "rank": r, "decoded_token": s.token_text(i)}
         out.append(entry)
     return out
 
