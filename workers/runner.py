@@ -44,7 +44,7 @@ class HostInputs(NamedTuple):
     context_lens: list[int]    # [S]
     groups: list[HostGroup]    # the prompt chunks' ragged layout (`prefill_layout`), after the tables; or []
     patch: int                 # placeholder ids (async scheduling): [patch] their rows, then their sources, last
-    padded: int = 0            # P: the length of the ids, positions and slots fields (≥ T)
+    padded: int                # P: the length of the ids, positions and slots fields (≥ T)
 
 
 def host_inputs(plan: StepPlan, block_size: int, ragged: bool = False, pending: bool = False, pad_to: int = 0,

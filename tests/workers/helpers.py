@@ -7,6 +7,21 @@ from mii_async.config import EngineConfig
 from mii_async.params import SamplingParams
 
 
+def head_dim_model(tmp_path: Path, hidden: int, heads: int, kv: int, max_pos: int, layers: int = 2) -> Path:
+    """A random-weight Llama whose head dim (hidden / heads) the CUDA decode kernels take, saved under
+    tmp_path (the tiny models of tests/conftest.py have head dim 8)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=320, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=max_pos,
+                      initializer_range=0.05, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(hidden)
+    path = tmp_path / f"h{hidden}-l{layers}"
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(str(path))
+    return path
+
+
 def make_engine(path: Path, **options):
     from mii_async.workers.engine import Engine
 

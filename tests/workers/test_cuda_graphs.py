@@ -8,21 +8,9 @@ import torch
 
 import mii_async
 
-from .helpers import make_engine, run_engine
+from .helpers import head_dim_model as _model, make_engine, run_engine
 
 pytestmark = pytest.mark.gpu
-
-
-def _model(tmp_path, hidden: int, heads: int, kv: int, max_pos: int):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(vocab_size=320, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=max_pos,
-                      initializer_range=0.05, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(hidden)
-    path = tmp_path / f"h{hidden}"
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(str(path))
-    return path
 
 
 def test_batch_buckets():

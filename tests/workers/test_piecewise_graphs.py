@@ -10,7 +10,7 @@ import torch
 
 import mii_async
 
-from .helpers import make_engine, run_engine
+from .helpers import head_dim_model, make_engine, run_engine
 
 
 def test_token_buckets():
@@ -146,14 +146,7 @@ def test_the_memory_reserve_covers_the_static_buffers(tiny_model):
 def test_captured_pieces_equal_eager_on_the_gpu(tmp_path, kernels):
     """On the device, with the pieces captured: the same greedy tokens as with no graphs at all, with and
     without async scheduling; the pieces replayed; no block leaked."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                      initializer_range=0.05, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(3)
-    path = tmp_path / "m"
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(str(path))
+    path = head_dim_model(tmp_path, 256, 4, 2, 4096, layers=3)
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (5, 40, 300, 1100, 17, 64, 9, 700)]
     outs = {}
@@ -172,14 +165,7 @@ def test_captured_pieces_equal_eager_on_the_gpu(tmp_path, kernels):
 @pytest.mark.gpu
 def test_captured_piece_logits_match_eager_in_bf16(tmp_path):
     """A mixed plan's logits from the captured pieces equal the eager forward's (bf16, the CuPy kernels)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(vocab_size=320, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=2048,
-                      initializer_range=0.05, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(4)
-    path = tmp_path / "m"
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(str(path))
+    path = head_dim_model(tmp_path, 512, 4, 1, 2048)
     engine = make_engine(path, device="cuda", dtype="bfloat16", num_blocks=512, kernels="cuda", max_num_seqs=4,
                          step_token_multiple=1)        # the plan as asked, not cut to 320 tokens
     rng = random.Random(3)
