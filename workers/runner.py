@@ -17,6 +17,7 @@ import torch
 from mii_async.kernels.metadata import AttentionMetadata, HostGroup, device_groups, prefill_layout
 
 from .models.llama import LlamaModel
+from .staging import Staging
 from .step_plan import ScheduledSeq, StepPlan
 
 
@@ -141,6 +142,14 @@ class Runner:
         self.graphs = None            # DecodeGraphs, once captured (a GPU replica with cuda_graphs)
         self.piecewise = None         # PiecewiseGraphs: steps with prompt chunks, the layers' dense parts replayed
         self.ragged = getattr(model.ops, "RAGGED_PREFILL", False)   # the op set takes prefill_groups
+        self.staging = Staging(device) if device.type != "cpu" else None
+
+    def upload(self, buf: np.ndarray) -> torch.Tensor:
+        """The step's host inputs on the device: on a GPU one asynchronous copy from a persistent pinned buffer
+        (no sync here; the sampler's one read-back per step is the sync)."""
+        if self.staging is None:
+            return torch.from_numpy(buf)
+        return self.staging.upload(buf)
 
     def execute(self, plan: StepPlan, pending: torch.Tensor | None = None,
                 between_layers: Callable[[], None] | None = None) -> torch.Tensor:
@@ -157,11 +166,7 @@ class Runner:
         pad = pw.bucket(plan.num_tokens) if pw is not None else 0
         h = host_inputs(plan, self.block_size, self.ragged, pending is not None, pad,
                         pw.scratch_slot if pad else 0)
-        buf = torch.from_numpy(h.buf)
-        if self.device.type != "cpu":
-            # Pinned (torch's caching host allocator keeps the block until the copy is done), then one
-            # asynchronous copy: no sync here; the sampler's one read-back per step is the sync.
-            buf = buf.pin_memory().to(self.device, non_blocking=True)
+        buf = self.upload(h.buf)
         t, n, r, w, p = h.num_tokens, len(h.query_lens), h.num_sampled + h.num_scored, h.width, h.padded
         if h.patch:
             fill_pending(buf[:t], buf[-2 * h.patch:-h.patch], buf[-h.patch:], pending)

@@ -13,7 +13,8 @@ mixed    1,000 requests, inputs uniform in [64, 1024], outputs in [64, 512], all
 profile  where the GPU time of a step goes (GEMMs, attention, norms, sampling, …) for decode and mixed steps,
          and, with graphs, a step's host parts beside its graph's GPU time
 
-Floors: weight bytes / 4.25 TB/s per decode step; FLOPs / 782 TFLOP/s (../shared/device/README.md).
+Floors: weight bytes / copy bandwidth per decode step; FLOPs / bf16 matmul rate; both measured on the card at
+hand before the engine is built (ceilings.py; the H200 of ../shared/device/README.md: 4.25 TB/s, 782 TFLOP/s).
 """
 from __future__ import annotations
 
@@ -28,18 +29,19 @@ import torch
 import mii_async
 from mii_async.kernels import decode_attention
 
+from . import ceilings
 from .engine_drain import drain
 from .mixed_load import mixed, mixed_sweep
 from .step_profile import graph_steps, profile
 from .token_prompts import prompts
 
-BANDWIDTH, FLOPS = 4.25e12, 782e12
+BANDWIDTH, FLOPS = 4.25e12, 782e12      # the H200's (../shared/device/README.md); main() sets the card's own
 SHAPE = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
              num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
              rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False)
 
 
-def build(seed: int = 0, kernels: str = "auto", **engine_kwargs):
+def build(seed: int = 0, kernels: str = "auto", gpu_memory_utilization: float = 0.6, **engine_kwargs):
     """transformers' model with random weights on the GPU, and our engine over the same tensors."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -55,9 +57,11 @@ def build(seed: int = 0, kernels: str = "auto", **engine_kwargs):
     d = tempfile.mkdtemp(prefix="mii-8b-")
     cfg.save_pretrained(d)
     t0 = time.perf_counter()
-    # 60% of the device: the KV pool still holds every benchmark's working set, and the parity check has room
-    # for an fp32 copy of transformers' model as its reference.
-    engine = Engine(EngineConfig.from_kwargs(d, dtype="bfloat16", device="cuda", gpu_memory_utilization=0.6,
+    # 60% by default: on the H200 the KV pool still holds every benchmark's working set, and the parity check
+    # has room for an fp32 copy of transformers' model as its reference. (On an 80 GB card the mixed load
+    # fills that pool: --gpu-memory-utilization 0.9 for a mixed-only run.)
+    engine = Engine(EngineConfig.from_kwargs(d, dtype="bfloat16", device="cuda",
+                                            gpu_memory_utilization=gpu_memory_utilization,
                                             kernels=kernels, **engine_kwargs),
                     weights={k: v for k, v in hf.state_dict().items()})
     print(f"engine ready in {time.perf_counter() - t0:.1f} s; {engine.memory_plan.describe() if engine.memory_plan else ''}",
@@ -216,8 +220,15 @@ def main(argv: list[str] | None = None) -> int:
                          "with prompt chunks, in one process")
     ap.add_argument("--late-tokens", action="store_true",
                     help="mixed: tokens handed over at the end of each step (engine.step() without emit)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.6,
+                    help="the engine's share of the GPU (default 0.6: room for transformers' baselines and the fp32 "
+                         "parity reference on the H200)")
     a = ap.parse_args(argv)
     parts = a.only.split(",")
+    global BANDWIDTH, FLOPS
+    card = ceilings.measure()
+    BANDWIDTH, FLOPS = card["copy_tb_s"] * 1e12, card["matmul_tflop_s"] * 1e12
+    print(f"this card: copy {card['copy_tb_s']:.2f} TB/s, bf16 matmul {card['matmul_tflop_s']:.0f} TFLOP/s", flush=True)
     sched = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("max_batch_tokens", a.max_batch_tokens),
                                ("max_mixed_batch_tokens", a.max_mixed_batch_tokens),
                                ("step_token_multiple", a.step_token_multiple)) if v}
@@ -228,8 +239,9 @@ def main(argv: list[str] | None = None) -> int:
         decode_attention.MMA_NARROW_FROM = 0 if warps[0] == 2 else None
     if a.mixed_num_seqs:
         sched["max_num_seqs"] = max(ints(a.mixed_num_seqs))
-    hf, engine = build(kernels=a.kernels, **sched)
+    hf, engine = build(kernels=a.kernels, gpu_memory_utilization=a.gpu_memory_utilization, **sched)
     results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+                     **card, "gpu_memory_utilization": a.gpu_memory_utilization,
                      "weights_gb": weight_bytes(hf) / 1e9, "kernels": engine.kernels,
                      "graphs": bool(engine.runner.graphs), "num_blocks": engine.num_blocks,
                      "max_batch_tokens": engine.config.scheduler.max_batch_tokens,

@@ -119,7 +119,7 @@ def mixed(engine, n: int = 1000, early: bool = True) -> dict:
 
     launch = engine._launch
     ops, replay = engine.model.ops, torch.cuda.CUDAGraph.replay
-    attention = ops.paged_attention
+    attention, upload, head = ops.paged_attention, runner.upload, engine.model.head
 
     def timed_launch(*args):
         parts.clear()
@@ -134,13 +134,15 @@ def mixed(engine, n: int = 1000, early: bool = True) -> dict:
     with StepLog(lag=int(engine.async_scheduling), counters=allocator) as log:
         sched.schedule, engine._launch = timed("schedule", logged), timed_launch
         runner.execute, sampler.launch = timed_execute, timed("sample", sample)
-        # where a slow launch waits: in the eager attention between pieces, or in a graph's replay
+        # where a slow launch waits: in the eager attention between pieces, a graph's replay, the inputs' copy
+        # to the device or the LM head
         ops.paged_attention = timed("attention_in_execute", attention)
         torch.cuda.CUDAGraph.replay = timed("replays_in_execute", replay)
+        runner.upload, engine.model.head = timed("upload_in_execute", upload), timed("head_in_execute", head)
         try:
             secs, times = drain(engine, reqs, 60_000, log, early)
         finally:
-            del sched.schedule, engine._launch, runner.execute, sampler.launch
+            del sched.schedule, engine._launch, runner.execute, sampler.launch, runner.upload, engine.model.head
             ops.paged_attention, torch.cuda.CUDAGraph.replay = attention, replay
     ttft = sorted(t[0] for t in times.values())
     itl = sorted(b - a for t in times.values() for a, b in zip(t, t[1:]))

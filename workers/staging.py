@@ -1,0 +1,39 @@
+"""Staging: persistent pinned host buffers through which a step's inputs go to the GPU.
+
+`tensor.pin_memory()` per step draws on torch's caching host allocator, which meets a size it holds no free
+block of (as the ramp of a load grows the inputs, or while the block of the step in flight is still in use)
+with a fresh `cudaHostAlloc`; that call waits for the device, which under async scheduling is busy with the
+step in flight, so the launch stalls for a step's GPU time. Here a few pinned buffers are allocated once (and
+grown, rarely, by doubling) and used in turn, each reused only after the event recorded behind its last copy
+has passed, which with the step in flight and the one before it done is at once.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+SLOTS = 3                       # steps in flight under async scheduling (2), and one more
+INITIAL_WORDS = 1 << 17         # 1 MiB of int64 a slot: every step of a 256-sequence, 2048-token budget fits
+
+
+class Staging:
+    def __init__(self, device: torch.device, slots: int = SLOTS, words: int = INITIAL_WORDS) -> None:
+        self.device = device
+        self.hosts = [torch.empty(words, dtype=torch.int64, pin_memory=True) for _ in range(slots)]
+        self.events = [torch.cuda.Event() for _ in range(slots)]    # one not yet recorded has passed
+        self.turn = 0
+        self.grown = 0
+
+    def upload(self, buf: np.ndarray) -> torch.Tensor:
+        """`buf` (int64) on the device, copied through the next slot; returns a new device tensor."""
+        i, n = self.turn, len(buf)
+        self.turn = (i + 1) % len(self.hosts)
+        self.events[i].synchronize()               # its last copy has run (at once, but never assumed)
+        host = self.hosts[i]
+        if host.numel() < n:
+            host = self.hosts[i] = torch.empty(max(n, 2 * host.numel()), dtype=torch.int64, pin_memory=True)
+            self.grown += 1
+        host.numpy()[:n] = buf
+        out = host[:n].to(self.device, non_blocking=True)
+        self.events[i].record()
+        return out
