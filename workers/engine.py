@@ -129,7 +129,7 @@ class Engine:
             self.runner.graphs.capture()
         if piecewise:
             self.runner.piecewise = PiecewiseGraphs(self.model, self.kv, self.device, piecewise_tokens,
-                                                    scratch_slot=num_blocks * cc.block_size)
+                                                    num_blocks * cc.block_size, max_rows=sched.max_num_seqs)
             self.runner.piecewise.capture()
         if self.memory_plan is not None:
             measured = sum(g.memory for g in (self.runner.graphs, self.runner.piecewise) if g is not None)

@@ -66,8 +66,9 @@ def piecewise_reserve(model, max_tokens: int) -> int:
 
 class PiecewiseGraphs:
     def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
-                 max_tokens: int, scratch_slot: int, capture: bool = True) -> None:
+                 max_tokens: int, scratch_slot: int, capture: bool = True, max_rows: int = 0) -> None:
         self.model, self.kv_caches, self.device = model, kv_caches, device
+        self.max_rows = max_rows                # the eager head is warmed at 1 … this many rows (warm_head)
         self.buckets = token_buckets(max_tokens)
         self.max_tokens = self.buckets[-1]
         self.scratch_slot = scratch_slot
@@ -143,12 +144,27 @@ class PiecewiseGraphs:
                 residual = nxt                            # the previous one is dropped: its memory is free for
                 pieces.append(g)                          # the pieces after the next (they run after it is read)
             self.graphs[p] = pieces
+        self.warm_head(self.max_rows)
         torch.cuda.synchronize(dev)
         self.memory = max(0, free_before - torch.cuda.mem_get_info(dev)[0])
         self.capture_seconds = time.perf_counter() - t0
         log.info("captured piecewise graphs for steps with prompt chunks (%d token buckets up to %d, %d pieces "
                  "each) in %.1f s, %.2f GiB", len(self.buckets), self.max_tokens, len(self.model.layers) + 1,
                  self.capture_seconds, self.memory / 2**30)
+
+    @torch.inference_mode()
+    def warm_head(self, max_rows: int) -> None:
+        """Runs the eager head (final norm, LM head) once at every row count from 1 to `max_rows`. cuBLAS picks
+        the LM head's GEMM kernel by the row count, and the first launch of a kernel loads its module (CUDA's
+        lazy loading), which waits for the device. Unwarmed, the first steps of a load that sampled more rows
+        than any before (past 64, 96, 128, …) each held the host for the step in flight and its own: 80-90 ms
+        launches in the ramp of the H100's mixed load, never in a second run of it in the same process."""
+        m = min(max_rows, self.max_tokens)
+        if m < 1:
+            return
+        rows = torch.arange(m, device=self.device)
+        for n in range(1, m + 1):
+            self.model.head(self.h[:m], self.res[:m], rows[:n])
 
     # -- a step --------------------------------------------------------------------------------------
     @torch.inference_mode()
