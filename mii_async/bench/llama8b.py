@@ -3,7 +3,7 @@ on the very same weights, in one run (issue 6's figures; docs/benchmarks.md).
 
     python -m mii_async.bench.llama8b [--only parity,bs1,offline,mixed,profile] [--json results.json]
         [--mixed-budgets 1024,1536,2048] [--step-token-multiples 0,64,128] [--mma-warps 2,4]
-        [--mixed-num-seqs 256,320] [--piecewise 1,0] [--repeat 2]
+        [--mixed-num-seqs 256,320] [--piecewise 1,0] [--repeat 2] [--gpu-memory-utilization 0.6]
 
 parity   last-position prefill logits (4 prompts) and one decode step against transformers' forward; greedy
          agreement over 64 tokens for 32 prompts of 128 tokens
