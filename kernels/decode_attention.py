@@ -1,5 +1,5 @@
 """Decode attention on the GPU: one query token per sequence over its paged KV cache, in one of three CUDA
-kernels with one contract (grid (sequences, KV heads, splits of the context); the last split of a (sequence,
+kernels with one contract (grid (KV heads, sequences, splits of the context); the last split of a (sequence,
 KV head) combines the others in the same launch, csrc/decode_combine.cuh):
   - mma (csrc/paged_attention_mma.cu): tensor cores, head dim 128, up to 16 query heads per KV head;
   - stream (csrc/paged_attention_stream.cu): one scalar pass, head dim 128, up to 4;
@@ -19,9 +19,13 @@ DECODE_THREADS = 128            # NUM_THREADS in paged_attention_decode.cu
 MAX_GQA = 16                    # MAX_G there: query heads per KV head
 PARTITIONS = (512, 256, 128, 64, 32)   # decode split lengths, in tokens, longest first
 DECODE_KERNELS = ("mma", "stream", "split")
+GRID_ORDERS = ("kv_heads", "sequences")
 DECODE_KERNEL = os.environ.get("MII_ASYNC_DECODE", "mma")
 if DECODE_KERNEL not in DECODE_KERNELS:
     raise ValueError(f"MII_ASYNC_DECODE must be one of {', '.join(DECODE_KERNELS)}, got {DECODE_KERNEL!r}")
+DECODE_GRID = os.environ.get("MII_ASYNC_DECODE_GRID", "kv_heads")     # the default of `grid=` (probes)
+if DECODE_GRID not in GRID_ORDERS:
+    raise ValueError(f"MII_ASYNC_DECODE_GRID must be one of {', '.join(GRID_ORDERS)}, got {DECODE_GRID!r}")
 # The one-pass kernels' shared-memory rings, per warp: STAGES (2 and 4 there) × rows a stage holds (16 and 4)
 # × (K, V) × head dim 128 × 2 bytes.
 RING_BYTES_PER_WARP = {"mma": 2 * 16 * 2 * 128 * 2, "stream": 4 * 4 * 2 * 128 * 2}
@@ -62,17 +66,23 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int,
                            scale: float, out: torch.Tensor | None = None,
                            partition: int | None = None, kernel: str | None = None,
-                           warps: int | None = None) -> torch.Tensor:
+                           warps: int | None = None, grid: str | None = None) -> torch.Tensor:
     """Decode attention: q [S, Hq, D] (one token per sequence) over each sequence's cached keys →
     [S, Hq, D]. block_tables [S, max_blocks] and context_lens [S] int64 on the GPU. `kernel`: "mma", "stream"
     or "split" (default DECODE_KERNEL); each takes the next where it does not apply. `warps`: the mma
-    kernel's block width, 2 or 4 (default: 2 from MMA_NARROW_FROM (sequence, KV head) pairs on, if set)."""
+    kernel's block width, 2 or 4 (default: 2 from MMA_NARROW_FROM (sequence, KV head) pairs on, if set).
+    `grid`: the blocks' launch order, "kv_heads" (a sequence's KV heads adjacent: decode_combine.cuh) or
+    "sequences" (the order before stop 29, compiled apart; for probes); default DECODE_GRID."""
     if kernel is None:
         kernel = DECODE_KERNEL
     if kernel not in DECODE_KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(DECODE_KERNELS)}, got {kernel!r}")
     if warps not in (None, 2, 4):
         raise ValueError(f"warps must be 2 or 4, got {warps!r}")
+    if grid is None:
+        grid = DECODE_GRID
+    if grid not in GRID_ORDERS:
+        raise ValueError(f"grid must be one of {', '.join(GRID_ORDERS)}, got {grid!r}")
     s, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     g = hq // hkv
@@ -96,6 +106,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_out = part_max = part_sum = out                   # unused with one split
     bt = block_tables.contiguous()
     cl = context_lens.contiguous()
+    assert s <= 65535 or grid == "sequences", f"{s} sequences: more than a grid's y dimension holds"
+    dims, defines = ((hkv, s, splits), ()) if grid == "kv_heads" else ((s, hkv, splits), ("MII_SEQ_MAJOR_GRID",))
     one_pass = ("mma" if kernel == "mma" and _mma_ok(q, hkv) else
                 "stream" if kernel in ("mma", "stream") and _stream_ok(q, hkv) else None)
     if one_pass is not None:
@@ -105,18 +117,20 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             narrow = MMA_NARROW_FROM is not None and s * hkv >= MMA_NARROW_FROM
             nwarps = warps if warps is not None else (2 if narrow else 4)
             name += "_w2" if nwarps == 2 else ""
-        _launch(f"paged_attention_{one_pass}", name, q.dtype, (s, hkv, splits), (32 * nwarps,),
+        _launch(f"paged_attention_{one_pass}", name, q.dtype, dims, (32 * nwarps,),
                 (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(bt), _ptr(cl), _ptr(out),
                  _ptr(part_out), _ptr(part_max), _ptr(part_sum),
                  _ptr(_split_counters(s * hkv, q.device)), np.int32(hq), np.int32(hkv),
                  np.int32(bs), np.int32(bt.shape[1]), np.int32(partition), np.float32(scale)),
-                shared_mem=nwarps * RING_BYTES_PER_WARP[one_pass] + 8 * (partition // bs + 2))  # rings, block ids
+                shared_mem=nwarps * RING_BYTES_PER_WARP[one_pass] + 8 * (partition // bs + 2),  # rings, block ids
+                defines=defines)
         return out
     gbound = next(b for b in (4, 8, MAX_GQA) if g <= b)       # the kernel sized for this GQA ratio
-    _launch("paged_attention_decode", f"paged_attention_decode_g{gbound}", q.dtype, (s, hkv, splits), (DECODE_THREADS,),
+    _launch("paged_attention_decode", f"paged_attention_decode_g{gbound}", q.dtype, dims, (DECODE_THREADS,),
             (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(bt), _ptr(cl), _ptr(out), _ptr(part_out), _ptr(part_max),
              _ptr(part_sum), _ptr(_split_counters(s * hkv, q.device)), np.int32(hq), np.int32(hkv), np.int32(d),
-             np.int32(bs), np.int32(bt.shape[1]), np.int32(partition), np.float32(scale)), shared_mem=smem)
+             np.int32(bs), np.int32(bt.shape[1]), np.int32(partition), np.float32(scale)), shared_mem=smem,
+            defines=defines)
     return out
 
 

@@ -18,17 +18,18 @@ PDL = os.environ.get("MII_ASYNC_PDL", "1") != "0"   # programmatic dependent lau
 
 
 @functools.cache
-def _module(name: str):
+def _module(name: str, defines: tuple[str, ...] = ()):
     import cupy as cp
 
     major, minor = torch.cuda.get_device_capability()
     arch = f"-arch=sm_{major}{minor}"
-    return cp.RawModule(code=(CSRC / f"{name}.cu").read_text(), options=("--std=c++17", f"-I{CSRC}", arch))
+    return cp.RawModule(code=(CSRC / f"{name}.cu").read_text(),
+                        options=("--std=c++17", f"-I{CSRC}", arch, *(f"-D{d}" for d in defines)))
 
 
 @functools.cache
-def _kernel(module: str, name: str, dtype: torch.dtype):
-    return _module(module).get_function(f"{name}_{SUFFIX[dtype]}")
+def _kernel(module: str, name: str, dtype: torch.dtype, defines: tuple[str, ...] = ()):
+    return _module(module, defines).get_function(f"{name}_{SUFFIX[dtype]}")
 
 
 @functools.cache
@@ -53,8 +54,10 @@ def ptr(t: torch.Tensor) -> np.uint64:
 
 
 def launch(module: str, name: str, dtype: torch.dtype, grid: tuple, block: tuple, args: tuple,
-            shared_mem: int = 0) -> None:
-    k = _kernel(module, name, dtype)
+            shared_mem: int = 0, defines: tuple[str, ...] = ()) -> None:
+    """Launches kernel `name` of csrc/`module`.cu for `dtype`; `defines`: macros the module is compiled with
+    (each set of them a module of its own)."""
+    k = _kernel(module, name, dtype, defines)
     if shared_mem > 48 * 1024:
         k.max_dynamic_shared_size_bytes = shared_mem
     stream = torch.cuda.current_stream()

@@ -1,10 +1,26 @@
 // What the split decode kernels (paged_attention_decode.cu, paged_attention_stream.cu, paged_attention_mma.cu)
-// share: the start of a partition, the one-pass kernels' merge of their warps' states, and the flash-decoding
-// reduce. Grid (num_seqs, num_kv_heads, num_splits); each block writes its partition's (max, sum, normalised
-// output) for the G query heads of its KV head, in fp32, at part_* [(seq * Hq + head) * num_splits + split]
-// (part_out × head_dim).
+// share: the grid's order, the start of a partition, the one-pass kernels' merge of their warps' states, and the
+// flash-decoding reduce. Grid (num_kv_heads, num_seqs, num_splits); each block writes its partition's (max,
+// sum, normalised output) for the G query heads of its KV head, in fp32, at part_* [(seq * Hq + head) *
+// num_splits + split] (part_out × head_dim).
 #pragma once
 #include "common.cuh"
+
+// A block's sequence and KV head. The KV heads are the grid's x, so that a sequence's KV heads are neighbours in
+// launch order and run at once: the cache is [block, token, KV head, dim], and together they read each token's
+// whole row (8 KV heads × 256 bytes for Llama-3-8B) instead of 256-byte pieces of rows far apart, as the order
+// (sequences, KV heads, splits) that was used until stop 29 had the blocks running at once do. Compiled with
+// MII_SEQ_MAJOR_GRID, the kernels take that older order (kernels/decode_attention.py, `grid="sequences"`), for a
+// probe to compare the two.
+#ifdef MII_SEQ_MAJOR_GRID
+__device__ __forceinline__ int grid_seq() { return blockIdx.x; }
+__device__ __forceinline__ int grid_kvh() { return blockIdx.y; }
+__device__ __forceinline__ int grid_num_kv_heads() { return gridDim.y; }
+#else
+__device__ __forceinline__ int grid_seq() { return blockIdx.y; }
+__device__ __forceinline__ int grid_kvh() { return blockIdx.x; }
+__device__ __forceinline__ int grid_num_kv_heads() { return gridDim.x; }
+#endif
 
 #ifndef NEG_INF
 #define NEG_INF (-3.0e38f)
@@ -61,11 +77,11 @@ __device__ void combine_if_last(const float* __restrict__ part_out, const float*
                                 const float* __restrict__ part_sum, typename D::T* __restrict__ out,
                                 int* __restrict__ counters, int num_q_heads, int head_dim, int G) {
   __shared__ int last;
-  const int seq = blockIdx.x, kvh = blockIdx.y, num_splits = gridDim.z;
+  const int seq = grid_seq(), kvh = grid_kvh(), num_splits = gridDim.z;
   __threadfence();                               // this block's partition, visible before it counts
   __syncthreads();
   if (threadIdx.x == 0) {
-    int* c = counters + (long long)seq * gridDim.y + kvh;
+    int* c = counters + (long long)seq * grid_num_kv_heads() + kvh;
     last = atomicAdd(c, 1) == num_splits - 1;
     if (last) *c = 0;
   }
@@ -134,7 +150,7 @@ __device__ __forceinline__ int partition_start(const long long* __restrict__ blo
                                                long long part_row, int G, int num_q_heads, int head_dim,
                                                const float* part_out, float* part_max, float* part_sum,
                                                typename D::T* out, int* counters) {
-  const int seq = blockIdx.x, num_splits = gridDim.z;
+  const int seq = grid_seq(), num_splits = gridDim.z;
   const int ctx = (int)context_lens[seq];
   const int b0 = start / block_size;
   const int b_end = min(max_blocks, (start + partition + block_size - 1) / block_size);

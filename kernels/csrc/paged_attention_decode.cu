@@ -1,7 +1,7 @@
 // Paged attention for decode (one query token per sequence) over the blocked KV cache, split over the context
 // (flash-decoding) so that few sequences with long contexts still fill the GPU.
 //
-// Grid (num_seqs, num_kv_heads, num_splits), NUM_THREADS threads. One block takes one KV head, the G = Hq/Hkv
+// Grid (num_kv_heads, num_seqs, num_splits), NUM_THREADS threads. One block takes one KV head, the G = Hq/Hkv
 // query heads that share it (GQA: each K/V row is read once for all G), and one partition of `partition`
 // context tokens. Scores, softmax and the weighted sum of V are in fp32. With one split the block writes the
 // output; otherwise it writes its partition's (max, sum, normalised output), and the last of the splits to
@@ -88,7 +88,7 @@ __device__ void decode_partition(const typename D::T* __restrict__ q, const type
                                  int num_kv_heads, int head_dim, int block_size, int max_blocks, int partition,
                                  float scale) {
   constexpr int CN = Chunk<D>::N;
-  const int seq = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, num_splits = gridDim.z;
+  const int seq = grid_seq(), kvh = grid_kvh(), split = blockIdx.z, num_splits = gridDim.z;
   const int G = num_q_heads / num_kv_heads;
   const int ctx = (int)context_lens[seq];
   const int start = split * partition;

@@ -1,5 +1,5 @@
-// Paged attention for decode on tensor cores: the contract of paged_attention_decode.cu (grid (num_seqs,
-// num_kv_heads, num_splits), the same split outputs and combine, decode_combine.cuh), for head dim 128 and up
+// Paged attention for decode on tensor cores: the contract of paged_attention_decode.cu (grid (num_kv_heads,
+// num_seqs, num_splits), the same split outputs and combine, decode_combine.cuh), for head dim 128 and up
 // to 16 query heads per KV head, in 16-bit types (sm_80 on).
 //
 // A KV head's G query heads are the 16 rows of an mma tile (rows past G are zeros), so that the products run
@@ -90,7 +90,7 @@ __device__ void mma_partition(const typename D::T* __restrict__ q, const typenam
                               int* __restrict__ counters, int num_q_heads, int num_kv_heads, int block_size,
                               int max_blocks, int partition, float scale) {
   typedef typename D::T T;
-  const int seq = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, num_splits = gridDim.z;
+  const int seq = grid_seq(), kvh = grid_kvh(), split = blockIdx.z, num_splits = gridDim.z;
   const int G = num_q_heads / num_kv_heads;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int quad_row = lane >> 2, quad_col = lane & 3;   // an mma fragment's row (head) and column pair

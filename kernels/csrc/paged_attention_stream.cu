@@ -1,5 +1,5 @@
-// Paged attention for decode, streamed: the same contract as paged_attention_decode.cu (grid (num_seqs,
-// num_kv_heads, num_splits), the same split outputs and combine), for head dim 128 and up to 4 query heads
+// Paged attention for decode, streamed: the same contract as paged_attention_decode.cu (grid (num_kv_heads,
+// num_seqs, num_splits), the same split outputs and combine), for head dim 128 and up to 4 query heads
 // per KV head, in 16-bit types. Where that kernel reads a partition twice in two phases (QK, then PV) with a
 // block-wide softmax between them, this one reads each K and V row once, in one pass:
 //
@@ -56,7 +56,7 @@ __device__ void stream_partition(const typename D::T* __restrict__ q, const type
                                  float* __restrict__ part_sum, int* __restrict__ counters, int num_q_heads,
                                  int num_kv_heads, int block_size, int max_blocks, int partition, float scale) {
   typedef typename D::T T;
-  const int seq = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, num_splits = gridDim.z;
+  const int seq = grid_seq(), kvh = grid_kvh(), split = blockIdx.z, num_splits = gridDim.z;
   const int G = num_q_heads / num_kv_heads;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int grp = lane / LPR, sub = lane % LPR;  // the row of the warp's RW this lane reads; its chunk

@@ -22,16 +22,22 @@ def _nvcc() -> str | None:
     return None
 
 
-@pytest.mark.parametrize("source", SOURCES, ids=[s.name for s in SOURCES])
-def test_compiles_for_sm90(source, tmp_path):
+# The decode kernels are also built with the grid's older order (kernels/decode_attention.py, grid="sequences").
+VARIANTS = [(s, ()) for s in SOURCES] + [(s, ("MII_SEQ_MAJOR_GRID",)) for s in SOURCES
+                                         if s.stem.startswith("paged_attention_")]
+
+
+@pytest.mark.parametrize("source,defines", VARIANTS,
+                         ids=[s.name + "".join(f"-D{d}" for d in defs) for s, defs in VARIANTS])
+def test_compiles_for_sm90(source, defines, tmp_path):
     """The kernel source compiles for Hopper (sm_90) with nvcc."""
     nvcc = _nvcc()
     if nvcc is None:
         if os.environ.get("MII_ASYNC_REQUIRE_NVCC") == "1":
             pytest.fail("nvcc is required here (MII_ASYNC_REQUIRE_NVCC=1) but was not found")
         pytest.skip("nvcc not found")
-    out = subprocess.run([nvcc, "-arch=sm_90", "--std=c++17", f"-I{CSRC}", "-c", str(source), "-o",
-                          str(tmp_path / "k.o")], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([nvcc, "-arch=sm_90", "--std=c++17", f"-I{CSRC}", *(f"-D{d}" for d in defines), "-c",
+                          str(source), "-o", str(tmp_path / "k.o")], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "k.o").stat().st_size > 0
 

@@ -169,6 +169,30 @@ def test_paged_attention_decode_every_partition(partition, kernel):
     assert rel(out, ref) < TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("kernel", DECODE_KERNELS + ["mma/2"])
+def test_decode_grid_orders_agree(kernel):
+    """Both launch orders of the grid (KV heads first, the default; sequences first, compiled apart) give the
+    reference's answer, with one split and with several (the combine counts each (sequence, KV head) apart),
+    bit for bit the same as each other."""
+    kernel, _, warps = kernel.partition("/")
+    clens = [1, 31, 300, 513, 1024, 2500, 77]
+    kc, vc, tables = _paged(clens, 8, 128, 16, torch.bfloat16, seed=3)
+    q = torch.randn(len(clens), 32, 128, device="cuda").to(torch.bfloat16)
+    meta = _meta([1] * len(clens), clens, tables)
+    ref = R.paged_attention(q.float(), kc.float(), vc.float(), meta, 128 ** -0.5)
+    for partition in (None, 128, 4096):
+        outs = []
+        for grid in DA.GRID_ORDERS:
+            poison()
+            outs.append(K.paged_attention_decode(q, kc, vc, meta.block_tables, meta.context_lens, max(clens),
+                                                 128 ** -0.5, partition=partition, kernel=kernel,
+                                                 warps=int(warps) if warps else None, grid=grid))
+            assert rel(outs[-1], ref) < TOL[torch.bfloat16], (grid, partition)
+        assert torch.equal(outs[0], outs[1]), partition
+    with pytest.raises(ValueError, match="grid"):
+        K.paged_attention_decode(q, kc, vc, meta.block_tables, meta.context_lens, max(clens), 1.0, grid="heads")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("g", [1, 2, 3, 4, 5, 7, 8, 12, 16])
 def test_one_pass_decode_kernels_match_the_split_kernel(dtype, g):
