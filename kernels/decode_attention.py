@@ -1,5 +1,5 @@
 """Decode attention on the GPU: one query token per sequence over its paged KV cache, in one of three CUDA
-kernels with one contract (grid (sequences, KV heads, splits of the context); the last split of a (sequence,
+kernels with one contract (grid (KV heads, sequences, splits of the context); the last split of a (sequence,
 KV head) combines the others in the same launch, csrc/decode_combine.cuh):
   - mma (csrc/paged_attention_mma.cu): tensor cores, head dim 128, up to 16 query heads per KV head;
   - stream (csrc/paged_attention_stream.cu): one scalar pass, head dim 128, up to 4;
@@ -19,13 +19,11 @@ DECODE_THREADS = 128            # NUM_THREADS in paged_attention_decode.cu
 MAX_GQA = 16                    # MAX_G there: query heads per KV head
 PARTITIONS = (512, 256, 128, 64, 32)   # decode split lengths, in tokens, longest first
 DECODE_KERNELS = ("mma", "stream", "split")
-GRID_ORDERS = ("sequences", "kv_heads")
+GRID_ORDERS = ("kv_heads", "sequences")
 DECODE_KERNEL = os.environ.get("MII_ASYNC_DECODE", "mma")
 if DECODE_KERNEL not in DECODE_KERNELS:
     raise ValueError(f"MII_ASYNC_DECODE must be one of {', '.join(DECODE_KERNELS)}, got {DECODE_KERNEL!r}")
-# The default of `grid=`. "kv_heads" is to be measured against "sequences" on the device (stop 29 built it
-# after the session's device time was spent); it becomes the default if it is faster.
-DECODE_GRID = os.environ.get("MII_ASYNC_DECODE_GRID", "sequences")
+DECODE_GRID = os.environ.get("MII_ASYNC_DECODE_GRID", "kv_heads")     # the default of `grid=`
 if DECODE_GRID not in GRID_ORDERS:
     raise ValueError(f"MII_ASYNC_DECODE_GRID must be one of {', '.join(GRID_ORDERS)}, got {DECODE_GRID!r}")
 # The one-pass kernels' shared-memory rings, per warp: STAGES (2 and 4 there) × rows a stage holds (16 and 4)
@@ -73,8 +71,9 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     [S, Hq, D]. block_tables [S, max_blocks] and context_lens [S] int64 on the GPU. `kernel`: "mma", "stream"
     or "split" (default DECODE_KERNEL); each takes the next where it does not apply. `warps`: the mma
     kernel's block width, 2 or 4 (default: 2 from MMA_NARROW_FROM (sequence, KV head) pairs on, if set).
-    `grid`: the blocks' launch order, "sequences" (grid (S, Hkv, splits)) or "kv_heads" ((Hkv, S, splits): a
-    sequence's KV heads side by side, compiled apart; decode_combine.cuh); default DECODE_GRID."""
+    `grid`: the blocks' launch order, "kv_heads" (grid (Hkv, S, splits): a sequence's KV heads side by side;
+    decode_combine.cuh) or "sequences" ((S, Hkv, splits), the order until stop 29, compiled apart; for
+    probes); default DECODE_GRID."""
     if kernel is None:
         kernel = DECODE_KERNEL
     if kernel not in DECODE_KERNELS:
@@ -109,7 +108,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     bt = block_tables.contiguous()
     cl = context_lens.contiguous()
     assert s <= 65535 or grid == "sequences", f"{s} sequences: more than a grid's y dimension holds"
-    dims, defines = ((s, hkv, splits), ()) if grid == "sequences" else ((hkv, s, splits), ("MII_KV_HEAD_MAJOR_GRID",))
+    dims, defines = ((hkv, s, splits), ()) if grid == "kv_heads" else ((s, hkv, splits), ("MII_SEQ_MAJOR_GRID",))
     one_pass = ("mma" if kernel == "mma" and _mma_ok(q, hkv) else
                 "stream" if kernel in ("mma", "stream") and _stream_ok(q, hkv) else None)
     if one_pass is not None:

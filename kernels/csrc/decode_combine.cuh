@@ -1,24 +1,26 @@
 // What the split decode kernels (paged_attention_decode.cu, paged_attention_stream.cu, paged_attention_mma.cu)
 // share: the grid's order, the start of a partition, the one-pass kernels' merge of their warps' states, and the
-// flash-decoding reduce. Grid (num_seqs, num_kv_heads, num_splits); each block writes its partition's (max,
+// flash-decoding reduce. Grid (num_kv_heads, num_seqs, num_splits); each block writes its partition's (max,
 // sum, normalised output) for the G query heads of its KV head, in fp32, at part_* [(seq * Hq + head) *
 // num_splits + split] (part_out × head_dim).
 #pragma once
 #include "common.cuh"
 
-// A block's sequence and KV head. Compiled with MII_KV_HEAD_MAJOR_GRID the grid is (num_kv_heads, num_seqs,
-// num_splits) instead (kernels/decode_attention.py, `grid="kv_heads"`): a sequence's KV heads are then
-// neighbours in launch order and run at once, and since the cache is [block, token, KV head, dim] they read
-// each token's whole row together (8 KV heads × 256 bytes for Llama-3-8B). In the default order the blocks
-// running at once are one KV head of many sequences: 256-byte pieces of rows far apart.
-#ifdef MII_KV_HEAD_MAJOR_GRID
-__device__ __forceinline__ int grid_seq() { return blockIdx.y; }
-__device__ __forceinline__ int grid_kvh() { return blockIdx.x; }
-__device__ __forceinline__ int grid_num_kv_heads() { return gridDim.x; }
-#else
+// A block's sequence and KV head. The KV heads are the grid's x, so a sequence's KV heads are neighbours in
+// launch order and run at once; since the cache is [block, token, KV head, dim], they read each token's whole
+// row together (8 KV heads × 256 bytes for Llama-3-8B). Compiled with MII_SEQ_MAJOR_GRID the grid is
+// (num_seqs, num_kv_heads, num_splits), the order until stop 29 (kernels/decode_attention.py,
+// `grid="sequences"`): the blocks running at once are then one KV head of many sequences, reading 256-byte
+// pieces of rows far apart. On the H100 the KV-head order took 0–2% less time at 64–320 sequences (the same
+// at 1–16), with the same bits (docs/benchmarks.md, stop 29).
+#ifdef MII_SEQ_MAJOR_GRID
 __device__ __forceinline__ int grid_seq() { return blockIdx.x; }
 __device__ __forceinline__ int grid_kvh() { return blockIdx.y; }
 __device__ __forceinline__ int grid_num_kv_heads() { return gridDim.y; }
+#else
+__device__ __forceinline__ int grid_seq() { return blockIdx.y; }
+__device__ __forceinline__ int grid_kvh() { return blockIdx.x; }
+__device__ __forceinline__ int grid_num_kv_heads() { return gridDim.x; }
 #endif
 
 #ifndef NEG_INF

@@ -1,7 +1,7 @@
 // Paged attention for decode (one query token per sequence) over the blocked KV cache, split over the context
 // (flash-decoding) so that few sequences with long contexts still fill the GPU.
 //
-// Grid (num_seqs, num_kv_heads, num_splits), NUM_THREADS threads. One block takes one KV head, the G = Hq/Hkv
+// Grid (num_kv_heads, num_seqs, num_splits), NUM_THREADS threads. One block takes one KV head, the G = Hq/Hkv
 // query heads that share it (GQA: each K/V row is read once for all G), and one partition of `partition`
 // context tokens. Scores, softmax and the weighted sum of V are in fp32. With one split the block writes the
 // output; otherwise it writes its partition's (max, sum, normalised output), and the last of the splits to

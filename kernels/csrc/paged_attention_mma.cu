@@ -1,5 +1,5 @@
-// Paged attention for decode on tensor cores: the contract of paged_attention_decode.cu (grid (num_seqs,
-// num_kv_heads, num_splits), the same split outputs and combine, decode_combine.cuh), for head dim 128 and up
+// Paged attention for decode on tensor cores: the contract of paged_attention_decode.cu (grid (num_kv_heads,
+// num_seqs, num_splits), the same split outputs and combine, decode_combine.cuh), for head dim 128 and up
 // to 16 query heads per KV head, in 16-bit types (sm_80 on).
 //
 // A KV head's G query heads are the 16 rows of an mma tile (rows past G are zeros), so that the products run

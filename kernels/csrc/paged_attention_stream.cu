@@ -1,5 +1,5 @@
-// Paged attention for decode, streamed: the same contract as paged_attention_decode.cu (grid (num_seqs,
-// num_kv_heads, num_splits), the same split outputs and combine), for head dim 128 and up to 4 query heads
+// Paged attention for decode, streamed: the same contract as paged_attention_decode.cu (grid (num_kv_heads,
+// num_seqs, num_splits), the same split outputs and combine), for head dim 128 and up to 4 query heads
 // per KV head, in 16-bit types. Where that kernel reads a partition twice in two phases (QK, then PV) with a
 // block-wide softmax between them, this one reads each K and V row once, in one pass:
 //

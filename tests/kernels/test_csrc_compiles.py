@@ -22,8 +22,8 @@ def _nvcc() -> str | None:
     return None
 
 
-# The decode kernels are also built with their grid's other order (kernels/decode_attention.py, grid="kv_heads").
-VARIANTS = [(s, ()) for s in SOURCES] + [(s, ("MII_KV_HEAD_MAJOR_GRID",)) for s in SOURCES
+# The decode kernels are also built with their grid's other order (kernels/decode_attention.py, grid="sequences").
+VARIANTS = [(s, ()) for s in SOURCES] + [(s, ("MII_SEQ_MAJOR_GRID",)) for s in SOURCES
                                          if s.stem.startswith("paged_attention_")]
 
 

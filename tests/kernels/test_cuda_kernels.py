@@ -171,7 +171,7 @@ def test_paged_attention_decode_every_partition(partition, kernel):
 
 @pytest.mark.parametrize("kernel", DECODE_KERNELS + ["mma/2"])
 def test_decode_grid_orders_agree(kernel):
-    """Both launch orders of the grid (sequences first, the default; KV heads first, compiled apart) give the
+    """Both launch orders of the grid (KV heads first, the default; sequences first, compiled apart) give the
     reference's answer, with one split and with several (the combine counts each (sequence, KV head) apart),
     bit for bit the same as each other."""
     kernel, _, warps = kernel.partition("/")
