@@ -154,11 +154,12 @@ class PiecewiseGraphs:
 
     @torch.inference_mode()
     def warm_head(self, max_rows: int) -> None:
-        """Runs the eager head (final norm, LM head) once at every row count from 1 to `max_rows`. cuBLAS picks
-        the LM head's GEMM kernel by the row count, and the first launch of a kernel loads its module (CUDA's
-        lazy loading), which waits for the device. Unwarmed, the first steps of a load that sampled more rows
-        than any before (past 64, 96, 128, …) each held the host for the step in flight and its own: 80-90 ms
-        launches in the ramp of the H100's mixed load, never in a second run of it in the same process."""
+        """Runs the eager head (final norm, LM head) once at every row count from 1 to `max_rows`. Unwarmed, a
+        few steps of a load's ramp, as the sampled rows grew past any count seen before, held the host in the
+        head for the step in flight and its own: 80-93 ms launches in the H100's mixed load, none in a second
+        run of it in the same process, none after this warm-up. Most likely the first launch of a GEMM kernel
+        that cuBLAS picks for a larger row count: CUDA loads a module lazily, and loading waits for the
+        device."""
         m = min(max_rows, self.max_tokens)
         if m < 1:
             return

@@ -1,11 +1,12 @@
 """Staging: persistent pinned host buffers through which a step's inputs go to the GPU.
 
-`tensor.pin_memory()` per step draws on torch's caching host allocator, which meets a size it holds no free
-block of (as the ramp of a load grows the inputs, or while the block of the step in flight is still in use)
-with a fresh `cudaHostAlloc`; that call waits for the device, which under async scheduling is busy with the
-step in flight, so the launch stalls for a step's GPU time. Here a few pinned buffers are allocated once (and
-grown, rarely, by doubling) and used in turn, each reused only after the event recorded behind its last copy
-has passed, which with the step in flight and the one before it done is at once.
+Until stop 29 each step pinned a fresh buffer (`tensor.pin_memory()`) through torch's caching host allocator,
+which calls `cudaHostAlloc` whenever it holds no free block of the size asked for, as a load's inputs grow or
+while the block of the step in flight is still in use; a page-locked allocation is one of the calls CUDA
+lists as synchronizing. Here a few pinned buffers are allocated once and used in turn, each reused only after
+the event recorded behind its last copy has passed (at once: by then the step in flight and the one before it
+have read their inputs). A slot that is too small grows by doubling: the mixed load's steps fit the first
+size; long contexts' block tables (256 sequences × 2,048 blocks is 4 MiB) grow it once.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 import torch
 
 SLOTS = 3                       # steps in flight under async scheduling (2), and one more
-INITIAL_WORDS = 1 << 17         # 1 MiB of int64 a slot: every step of a 256-sequence, 2048-token budget fits
+INITIAL_WORDS = 1 << 17         # 1 MiB of int64 a slot
 
 
 class Staging:
