@@ -3,7 +3,8 @@ on the very same weights, in one run (issue 6's figures; docs/benchmarks.md).
 
     python -m mii_async.bench.llama8b [--only parity,bs1,offline,mixed,profile] [--json results.json]
         [--mixed-budgets 1024,1536,2048] [--step-token-multiples 0,64,128] [--mma-warps 2,4]
-        [--mixed-num-seqs 256,320] [--piecewise 1,0] [--repeat 2] [--gpu-memory-utilization 0.6]
+        [--mixed-num-seqs 256,320] [--piecewise 1,0] [--decode-grids kv_heads,sequences] [--repeat 2]
+        [--gpu-memory-utilization 0.6]
 
 parity   last-position prefill logits (4 prompts) and one decode step against transformers' forward; greedy
          agreement over 64 tokens for 32 prompts of 128 tokens
@@ -215,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="decode attention's tensor-core kernel at this block width (2 or 4) for every batch "
                          "(default: kernels/decode_attention.py's choice by batch); mixed: a comma list runs the "
                          "load once per width, in one process, each with graphs of its own")
+    ap.add_argument("--decode-grids", default=None,
+                    help="mixed: a comma list of decode attention's grid orders (kv_heads, sequences) runs the load "
+                         "once per order, in one process, each with decode graphs of its own")
     ap.add_argument("--piecewise", default=None,
                     help="mixed: a comma list of 1 / 0 runs the load with and without the piecewise graphs of steps "
                          "with prompt chunks, in one process")
@@ -225,20 +229,23 @@ def main(argv: list[str] | None = None) -> int:
                          "parity reference on the H200)")
     a = ap.parse_args(argv)
     parts = a.only.split(",")
-    global BANDWIDTH, FLOPS
-    card = ceilings.measure()
-    BANDWIDTH, FLOPS = card["copy_tb_s"] * 1e12, card["matmul_tflop_s"] * 1e12
-    print(f"this card: copy {card['copy_tb_s']:.2f} TB/s, bf16 matmul {card['matmul_tflop_s']:.0f} TFLOP/s", flush=True)
     sched = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("max_batch_tokens", a.max_batch_tokens),
                                ("max_mixed_batch_tokens", a.max_mixed_batch_tokens),
                                ("step_token_multiple", a.step_token_multiple)) if v}
     warps = ints(a.mma_warps)
     if any(w not in (2, 4) for w in warps):
         ap.error(f"--mma-warps: widths are 2 or 4, got {a.mma_warps}")
+    grids = a.decode_grids.split(",") if a.decode_grids else []
+    if any(g not in decode_attention.GRID_ORDERS for g in grids):
+        ap.error(f"--decode-grids: orders are {', '.join(decode_attention.GRID_ORDERS)}, got {a.decode_grids}")
     if len(warps) == 1:                       # before the engine captures its graphs, which keep the choice
         decode_attention.MMA_NARROW_FROM = 0 if warps[0] == 2 else None
     if a.mixed_num_seqs:
         sched["max_num_seqs"] = max(ints(a.mixed_num_seqs))
+    global BANDWIDTH, FLOPS
+    card = ceilings.measure()
+    BANDWIDTH, FLOPS = card["copy_tb_s"] * 1e12, card["matmul_tflop_s"] * 1e12
+    print(f"this card: copy {card['copy_tb_s']:.2f} TB/s, bf16 matmul {card['matmul_tflop_s']:.0f} TFLOP/s", flush=True)
     hf, engine = build(kernels=a.kernels, gpu_memory_utilization=a.gpu_memory_utilization, **sched)
     results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                      **card, "gpu_memory_utilization": a.gpu_memory_utilization,
@@ -260,9 +267,10 @@ def main(argv: list[str] | None = None) -> int:
              "mixed": lambda: (mixed_sweep(engine, ints(a.mixed_budgets) or [None],
                                            ints(a.step_token_multiples) or [sched_cfg.step_token_multiple or 0],
                                            a.repeat, not a.late_tokens, warps if len(warps) > 1 else [None],
-                                           ints(a.mixed_num_seqs) or [None], ints(a.piecewise) or [None])
+                                           ints(a.mixed_num_seqs) or [None], ints(a.piecewise) or [None],
+                                           grids or [None])
                                if (a.mixed_budgets or a.step_token_multiples or a.mixed_num_seqs or len(warps) > 1
-                                   or a.piecewise)
+                                   or a.piecewise or grids)
                                else mixed(engine, early=not a.late_tokens)),
              "profile": lambda: {"bs1": profile(engine, 1), "bs256": profile(engine, 256),
                                  "mixed_128_decodes_1024_prompts": profile(engine, 128, prompt_len=1024),

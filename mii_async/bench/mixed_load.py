@@ -20,24 +20,28 @@ from .token_prompts import prompts
 
 def mixed_sweep(engine, budgets: list[int | None], multiples: list[int], repeat: int, early: bool = True,
                 warps: list[int | None] = (None,), num_seqs: list[int | None] = (None,),
-                pieces: list[int | None] = (None,)) -> dict:
-    """The mixed load once per (repeat, decode-attention width, piecewise graphs on / off, max_num_seqs, mixed
-    budget, step token multiple), the variants interleaved so that the device's drift (power cap, clocks) falls
-    on all of them alike; the scheduler's `max_num_seqs`, `max_mixed_batch_tokens` and `step_token_multiple`
-    (0: not cut) are set between runs. None keeps the engine's. With more than one width, each has decode
-    graphs captured of its own."""
+                pieces: list[int | None] = (None,), grids: list[str | None] = (None,)) -> dict:
+    """The mixed load once per (repeat, decode-attention width, decode grid order, piecewise graphs on / off,
+    max_num_seqs, mixed budget, step token multiple), the variants interleaved so that the device's drift
+    (power cap, clocks) falls on all of them alike; the scheduler's `max_num_seqs`, `max_mixed_batch_tokens`
+    and `step_token_multiple` (0: not cut) are set between runs. None keeps the engine's. With more than one
+    width or grid order, each pair has decode graphs captured of its own."""
     sched, runner = engine.scheduler, engine.runner
     start, runs = sched.config, {}
     start_pieces = runner.piecewise
-    graphs = {w: width_graphs(engine, w) for w in warps} if len(warps) > 1 else {warps[0]: runner.graphs}
+    decode = list(itertools.product(warps, grids))
+    graphs = ({wg: variant_graphs(engine, *wg) for wg in decode} if len(decode) > 1
+              else {decode[0]: runner.graphs})
     start_graphs, start_narrow = runner.graphs, decode_attention.MMA_NARROW_FROM
+    start_grid = decode_attention.DECODE_GRID
     mixed(engine, n=64, early=early)             # warm-up: the first eager steps of each shape
     try:
         for r in range(repeat):
-            for w in warps:
-                runner.graphs = graphs[w]
+            for w, gr in decode:
+                runner.graphs = graphs[w, gr]
                 if w is not None:
                     decode_attention.MMA_NARROW_FROM = 0 if w == 2 else None
+                decode_attention.DECODE_GRID = gr or start_grid
                 for pw, q, b, m in itertools.product(pieces, num_seqs, budgets, multiples):
                     runner.piecewise = start_pieces if pw is None or pw else None
                     sched.config = dataclasses.replace(
@@ -45,31 +49,34 @@ def mixed_sweep(engine, budgets: list[int | None], multiples: list[int], repeat:
                         step_token_multiple=m or 1, max_num_seqs=q or start.max_num_seqs)
                     name = (f"budget {b if b is not None else 'default'} multiple {m}"   # as asked: unique
                             + (f" seqs {q}" if q is not None else "") + (f" warps {w}" if w is not None else "")
-                            + (f" pieces {pw}" if pw is not None else ""))
+                            + (f" grid {gr}" if gr is not None else "") + (f" pieces {pw}" if pw is not None else ""))
                     runs[f"{name} #{r}"] = res = mixed(engine, early=early)
                     print(f"mixed {name} run {r}: {res['output_tok_s']:.0f} tok/s, ITL p50 / p99 "
                           f"{res['itl_ms_p50']:.1f} / {res['itl_ms_p99']:.1f} ms, TTFT p50 "
                           f"{res['ttft_ms_p50']:.0f} ms", flush=True)
     finally:
         sched.config, runner.graphs, decode_attention.MMA_NARROW_FROM = start, start_graphs, start_narrow
-        runner.piecewise = start_pieces
+        runner.piecewise, decode_attention.DECODE_GRID = start_pieces, start_grid
     return runs
 
 
-def width_graphs(engine, warps: int | None):
-    """Decode graphs captured with decode attention at `warps` (2 or 4) for every batch: a second set beside
-    the engine's (the bench's memory plan leaves room), since a graph keeps the kernel it captured."""
+def variant_graphs(engine, warps: int | None, grid: str | None):
+    """Decode graphs captured with decode attention at `warps` (2 or 4) and in grid order `grid` for every
+    batch: a set beside the engine's (the bench's memory plan leaves room), since a graph keeps the kernel it
+    captured. None keeps the engine's choice."""
     g = engine.runner.graphs
-    if g is None or warps is None:
+    if g is None or (warps is None and grid is None):
         return g
-    keep = decode_attention.MMA_NARROW_FROM
-    decode_attention.MMA_NARROW_FROM = 0 if warps == 2 else None
+    keep = decode_attention.MMA_NARROW_FROM, decode_attention.DECODE_GRID
+    if warps is not None:
+        decode_attention.MMA_NARROW_FROM = 0 if warps == 2 else None
+    decode_attention.DECODE_GRID = grid or keep[1]
     try:
         out = DecodeGraphs(g.model, g.kv_caches, g.block_size, g.device, g.buckets[-1], engine.max_model_len,
                            scratch_block=g.scratch_slot // g.block_size)
         out.capture()
     finally:
-        decode_attention.MMA_NARROW_FROM = keep
+        decode_attention.MMA_NARROW_FROM, decode_attention.DECODE_GRID = keep
     return out
 
 
