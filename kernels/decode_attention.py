@@ -107,7 +107,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_out = part_max = part_sum = out                   # unused with one split
     bt = block_tables.contiguous()
     cl = context_lens.contiguous()
-    assert s <= 65535 or grid == "sequences", f"{s} sequences: more than a grid's y dimension holds"
+    if s > 65535:
+        grid = "sequences"             # a grid's y dimension holds 65,535 blocks: the sequences go on x then
     dims, defines = ((hkv, s, splits), ()) if grid == "kv_heads" else ((s, hkv, splits), ("MII_SEQ_MAJOR_GRID",))
     one_pass = ("mma" if kernel == "mma" and _mma_ok(q, hkv) else
                 "stream" if kernel in ("mma", "stream") and _stream_ok(q, hkv) else None)

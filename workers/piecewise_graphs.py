@@ -144,9 +144,10 @@ class PiecewiseGraphs:
                 residual = nxt                            # the previous one is dropped: its memory is free for
                 pieces.append(g)                          # the pieces after the next (they run after it is read)
             self.graphs[p] = pieces
-        self.warm_head(self.max_rows)
         torch.cuda.synchronize(dev)
         self.memory = max(0, free_before - torch.cuda.mem_get_info(dev)[0])
+        self.warm_head(self.max_rows)                     # its blocks are the activations', not the graphs'
+        torch.cuda.synchronize(dev)
         self.capture_seconds = time.perf_counter() - t0
         log.info("captured piecewise graphs for steps with prompt chunks (%d token buckets up to %d, %d pieces "
                  "each) in %.1f s, %.2f GiB", len(self.buckets), self.max_tokens, len(self.model.layers) + 1,
@@ -159,7 +160,8 @@ class PiecewiseGraphs:
         head for the step in flight and its own: 80-93 ms launches in the H100's mixed load, none in a second
         run of it in the same process, none after this warm-up. Most likely the first launch of a GEMM kernel
         that cuBLAS picks for a larger row count: CUDA loads a module lazily, and loading waits for the
-        device."""
+        device. Rows past `max_num_seqs` (prompt positions scored for prompt logprobs) and fully eager steps
+        are not warmed."""
         m = min(max_rows, self.max_tokens)
         if m < 1:
             return

@@ -240,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--decode-grids: orders are {', '.join(decode_attention.GRID_ORDERS)}, got {a.decode_grids}")
     if len(warps) == 1:                       # before the engine captures its graphs, which keep the choice
         decode_attention.MMA_NARROW_FROM = 0 if warps[0] == 2 else None
+    if len(grids) == 1:
+        decode_attention.DECODE_GRID = grids[0]
     if a.mixed_num_seqs:
         sched["max_num_seqs"] = max(ints(a.mixed_num_seqs))
     global BANDWIDTH, FLOPS

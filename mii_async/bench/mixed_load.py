@@ -65,8 +65,8 @@ def variant_graphs(engine, warps: int | None, grid: str | None):
     batch: a set beside the engine's (the bench's memory plan leaves room), since a graph keeps the kernel it
     captured. None keeps the engine's choice."""
     g = engine.runner.graphs
-    if g is None or (warps is None and grid is None):
-        return g
+    if g is None or (warps is None and grid in (None, decode_attention.DECODE_GRID)):
+        return g                                  # the engine's own settings: its own graphs
     keep = decode_attention.MMA_NARROW_FROM, decode_attention.DECODE_GRID
     if warps is not None:
         decode_attention.MMA_NARROW_FROM = 0 if warps == 2 else None
