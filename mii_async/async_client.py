@@ -288,7 +288,8 @@ def _wire_params(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def _logprob(x: list) -> Logprob:
-    return Logprob(int(x[0]), float(x[1]), [(int(i), float(lp)) for i, lp in x[2]])
+    rank = x[3]
+    return Logprob(int(x[0]), float(x[1]), [(int(i), float(lp)) for i, lp in x[2]], None if rank is None else int(rank))
 
 
 def _usage(u: dict | None) -> Usage | None:

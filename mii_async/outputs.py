@@ -31,8 +31,8 @@ class Logprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)   # (token id, logprob), best first
-    rank: int | None = None      # a prompt token's rank at its position (1: the most likely; as likely counts
-                                 # before it); None for sampled tokens
+    rank: int | None = None      # the token's rank at its position, sampled or prompt (1: the most likely; as
+                                 # likely counts before it); None where not known
 
     def to_dict(self) -> dict[str, Any]:
         """JSON's form (the gateway's REST and WebSocket answers): top as [[id, logprob], …]; rank when known."""

@@ -21,10 +21,11 @@ import msgpack
 
 from .packed import PromptLogprobs, as_prompt_logprobs, pack_ids, unpack
 
-PROTOCOL_VERSION = 5                  # 2: DeltaBatch, StatsQuery.reset_prefix_cache; 3: prompt_logprobs
+PROTOCOL_VERSION = 6                  # 2: DeltaBatch, StatsQuery.reset_prefix_cache; 3: prompt_logprobs
                                       # (StepTokens, Delta): a peer of 2 refuses them as unknown fields;
                                       # 4: prompt_logprobs as packed arrays (PromptLogprobs), not nested lists;
-                                      # 5: PromptLogprobs carry each prompt token's rank
+                                      # 5: PromptLogprobs carry each prompt token's rank; 6: so do sampled
+                                      # tokens' logprobs
 MAX_FRAME_BYTES = 16 * 2**20          # also the sockets' ZMQ_MAXMSGSIZE
 MAX_ITEMS = 1 << 20                    # longest msgpack array or map, and bin length in ids
 MAX_BATCH_DELTAS = 1 << 14             # Deltas in one DeltaBatch at most (each is checked and built on decode)
@@ -71,7 +72,7 @@ class Delta:
     req_id: str
     text: str                                      # UTF-8 safe, never a partial stop string
     token_ids: list[int] = field(default_factory=list, metadata=_IDS)
-    logprobs: list | None = None                   # per token: [token_id, logprob, [[id, logprob], …]]
+    logprobs: list | None = None                   # per token: [token_id, logprob, [[id, logprob], …], rank]
     finish_reason: str | None = None               # "stop" | "length" | "abort" | "error"
     usage: dict | None = None                      # prompt_tokens, completion_tokens, cached_tokens
     error: str | None = None                       # with finish_reason "error"
@@ -179,7 +180,7 @@ class StepTokens:
     token_ids: list[int] = field(metadata=_IDS)    # parallel to req_ids
     finish_reasons: list[str | None] = field(default_factory=list)   # parallel; None while running
     cached_tokens: list[int] = field(default_factory=list)           # parallel; prefix-cache hits
-    logprobs: list | None = None                   # parallel, entries None or [logprob, [[id, lp], …]]
+    logprobs: list | None = None                   # parallel, entries None or [logprob, [[id, lp], …], rank]
     prompt_logprobs: list | None = field(default=None, metadata=_EACH_PLPS)  # parallel, entries None or, on a
                                                    # request's first sampled token when it asked, its prompt's
                                                    # PromptLogprobs; None when none is set. An entry that is

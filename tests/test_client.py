@@ -71,6 +71,7 @@ def test_remote_equals_local_pipeline(deployment, default_pipe):
         assert [x.token_id for x in r.logprobs] == [x.token_id for x in l.logprobs]
         for a, b in zip(r.logprobs, l.logprobs):
             assert abs(a.logprob - b.logprob) < 1e-4 and [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert a.rank == b.rank == 1                  # greedy: each token the most likely
 
 
 def test_leaving_the_loop_early_frees_kv(deployment):

@@ -112,11 +112,11 @@ def test_stop_token_ids_and_min_new_tokens(default_pipe):
 
 
 def test_logprobs(default_pipe):
-    """logprobs=n gives each token's logprob and the n best, sorted; greedy picks the best."""
+    """logprobs=n gives each token's logprob and the n best, sorted; greedy picks the best, of rank 1."""
     r = default_pipe("The capital of France is", max_new_tokens=5, logprobs=3)[0]
     assert len(r.logprobs) == 5
     for tid, lp in zip(r.token_ids, r.logprobs):
-        assert lp.token_id == tid and len(lp.top) == 3
+        assert lp.token_id == tid and len(lp.top) == 3 and lp.rank == 1
         assert lp.top[0][0] == tid and abs(lp.top[0][1] - lp.logprob) < 1e-6
         assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1] and lp.logprob <= 0
 

@@ -42,6 +42,7 @@ def to_device(values: list, device: torch.device, dtype: torch.dtype | None = No
 class TokenLogprobs(NamedTuple):
     logprob: float                       # of the chosen token
     top: list[tuple[int, float]]         # the n most likely (id, logprob), best first
+    rank: int | None = None              # the chosen token's: tokens at least as likely, itself included
 
 
 class SampleResult(NamedTuple):
@@ -53,7 +54,7 @@ class PendingSample(NamedTuple):
     """A step's choice, enqueued on the device and not read yet."""
     token_ids: torch.Tensor              # [S] int64 on the device
     num_rows: int
-    logprobs: tuple | None = None        # (rows, n per row, own [L], top values [L, k], top ids [L, k])
+    logprobs: tuple | None = None        # (rows, n per row, own [L], top values [L, k], top ids [L, k], ranks [L])
     host: tuple = ()                     # the ids, then own / top values / top ids, as queued host copies
     ready: object = None                 # a torch.cuda.Event recorded after those copies; None on the CPU
 
@@ -121,9 +122,9 @@ class Sampler:
             logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
         want_lp = [s.params.logprobs for s in seqs]
         lp_rows = [i for i, n in enumerate(want_lp) if n is not None]
-        # A masked token's logprob is -inf, which JSON cannot carry: floored at -9999 (as vLLM does).
-        logprobs = (torch.log_softmax(logits[to_device(lp_rows, logits.device)], -1).clamp_min_(-9999.0)
-                    if lp_rows else None)
+        # A masked token's logprob is -inf, which JSON cannot carry: floored at -9999 (as vLLM does), once the
+        # chosen tokens' ranks are counted.
+        logprobs = torch.log_softmax(logits[to_device(lp_rows, logits.device)], -1) if lp_rows else None
 
         chosen = _argmax(logits)                       # [S]; greedy rows keep this
         rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
@@ -144,9 +145,12 @@ class Sampler:
         # Every logprob row at once: the chosen token's value and the top max(n), cut to each row's n.
         idx = to_device(lp_rows, logits.device)
         own = logprobs.gather(1, chosen[idx][:, None])[:, 0]     # [L]
+        rank = (logprobs >= own[:, None]).sum(-1)                # counts the token itself (vLLM's rank)
+        logprobs.clamp_min_(-9999.0)
+        own.clamp_min_(-9999.0)
         k = max(want_lp[i] for i in lp_rows)
         top_v, top_i = torch.topk(logprobs, k, -1) if k else (logprobs[:, :0], logprobs[:, :0].long())
-        return _staged(chosen, len(seqs), (lp_rows, [want_lp[i] for i in lp_rows], own, top_v, top_i))
+        return _staged(chosen, len(seqs), (lp_rows, [want_lp[i] for i in lp_rows], own, top_v, top_i, rank))
 
     @staticmethod
     def resolve(p: PendingSample) -> SampleResult:
@@ -158,9 +162,9 @@ class Sampler:
         out_lp: list[TokenLogprobs | None] = [None] * p.num_rows
         if p.logprobs is not None:
             rows, ns = p.logprobs[:2]
-            own_l, top_vl, top_il = (t.tolist() for t in p.host[1:])
+            own_l, top_vl, top_il, rank_l = (t.tolist() for t in p.host[1:])
             for j, (i, n) in enumerate(zip(rows, ns)):
-                out_lp[i] = TokenLogprobs(own_l[j], list(zip(top_il[j][:n], top_vl[j][:n])))
+                out_lp[i] = TokenLogprobs(own_l[j], list(zip(top_il[j][:n], top_vl[j][:n])), rank_l[j])
         return SampleResult(token_ids, out_lp)
 
     def _penalize(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:

@@ -205,7 +205,7 @@ class Worker:
         self._send_step(group, True)
 
     def _send_step(self, outputs: list, prompt_lps: bool) -> None:
-        lps = [None if o.logprobs is None else [o.logprobs.logprob, [list(t) for t in o.logprobs.top]]
+        lps = [None if (lp := o.logprobs) is None else [lp.logprob, [list(t) for t in lp.top], lp.rank]
                for o in outputs]
         plps = None                                   # packed as the engine gave them: sent as they are
         if prompt_lps:

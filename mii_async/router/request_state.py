@@ -72,7 +72,7 @@ class RequestState:
         self.output_ids.append(tok)
         lp = None
         if self.params.logprobs is not None and ev.logprobs is not None:
-            lp = Logprob(tok, ev.logprobs.logprob, list(ev.logprobs.top))
+            lp = Logprob(tok, ev.logprobs.logprob, list(ev.logprobs.top), ev.logprobs.rank)
             if self.logprobs is not None:
                 self.logprobs.append(lp)
         plps = None

@@ -354,8 +354,8 @@ class Router:
 
 
 def _wire_logprob(lp: Any) -> list:
-    """A Logprob as a Delta carries it: [token_id, logprob, [[id, logprob], …]]."""
-    return [lp.token_id, lp.logprob, [list(t) for t in lp.top]]
+    """A Logprob as a Delta carries it: [token_id, logprob, [[id, logprob], …], rank or None]."""
+    return [lp.token_id, lp.logprob, [list(t) for t in lp.top], lp.rank]
 
 
 def check_prompt_logprobs_size(num_tokens: int, params: SamplingParams) -> None:

@@ -54,14 +54,17 @@ class _TokenEvent(NamedTuple):      # what RequestState.on_event reads from a sa
 class _Logprobs(NamedTuple):      # a sampled token's logprobs, as RequestState reads them
     logprob: float
     top: list
+    rank: int | None = None
 
 
-def _logprob_entry(x: Any, n: int) -> _Logprobs | None:
-    """A logprob entry from a worker, [logprob, [[id, logprob], …]] with at most `n` alternatives, or None when
-    malformed: finite floats (JSON carries no inf or nan), ids that are token ids."""
+def _logprob_entry(x: Any, n: int, vocab_size: int) -> _Logprobs | None:
+    """A logprob entry from a worker, [logprob, [[id, logprob], …], rank] with at most `n` alternatives, or None
+    when malformed: finite floats (JSON carries no inf or nan), ids that are token ids, a rank in 1 … vocabulary
+    (or None)."""
     try:
-        lp, top = x
-        if not _finite(lp) or not isinstance(top, (list, tuple)) or len(top) > n:
+        lp, top, rank = x
+        if not _finite(lp) or not isinstance(top, (list, tuple)) or len(top) > n or not (
+                rank is None or (type(rank) is int and 1 <= rank <= vocab_size)):
             return None
         out = []
         for i, v in top:
@@ -70,7 +73,7 @@ def _logprob_entry(x: Any, n: int) -> _Logprobs | None:
             out.append((i, float(v)))
     except (TypeError, ValueError):
         return None
-    return _Logprobs(float(lp), out)
+    return _Logprobs(float(lp), out, rank)
 
 
 def _finite(v: Any) -> bool:
@@ -189,7 +192,7 @@ class WorkerLink:
                 lp = msg.logprobs[i] if msg.logprobs is not None else None
                 plp = msg.prompt_logprobs[i] if msg.prompt_logprobs is not None else None
                 params = live.state.params
-                if (lp is not None and (lp := _logprob_entry(lp, params.logprobs or 0)) is None) or (
+                if (lp is not None and (lp := _logprob_entry(lp, params.logprobs or 0, _vocab_size(live))) is None) or (
                         plp is not None and (params.prompt_logprobs is None or (plp := _prompt_logprobs(
                             plp, len(live.state.prompt_ids), params.prompt_logprobs, _vocab_size(live))) is None)):
                     log.warning("malformed logprobs from %r for request %d", peer, rid)

@@ -107,6 +107,7 @@ def test_logprobs_and_prompt_logprobs_in_the_mii_body(gateway_url, deployment):
     [got] = r.json()
     [want] = deployment(body["prompts"], max_new_tokens=3, logprobs=1, prompt_logprobs=2)
     assert [x["token_id"] for x in got["logprobs"]] == want.token_ids and len(got["logprobs"][0]["top"]) == 1
+    assert [x["rank"] for x in got["logprobs"]] == [x.rank for x in want.logprobs] == [1, 1, 1]   # greedy
     plps = got["prompt_logprobs"]
     assert len(plps) == got["prompt_length"] and plps[0] is None
     for g, w in zip(plps[1:], want.prompt_logprobs[1:]):

@@ -159,13 +159,13 @@ def test_malformed_prompt_logprobs_fail_the_request(router, case):
     add2 = w.recv(P.AddRequest)
     good = pack([(-0.75, [(4, -0.5), (5, -0.75), (6, -2.0)])], 3)
     w.send(P.StepTokens([add.req_id, add2.req_id], [8, 9], [None, "length"], [0, 0],
-                        [None, [-0.25, [[9, -0.25]]]], [bad, good]))
+                        [None, [-0.25, [[9, -0.25]], 1]], [bad, good]))
     assert w.recv(P.AbortRequest).req_id == add.req_id
     [r] = fut.result(30)
     assert r.finish_reason == "error" and "malformed logprobs" in r.error
     assert r.prompt_logprobs is None
     [r2] = other.result(30)
-    assert r2.token_ids == [9] and r2.logprobs == [Logprob(9, -0.25, [(9, -0.25)])]
+    assert r2.token_ids == [9] and r2.logprobs == [Logprob(9, -0.25, [(9, -0.25)], 1)]
     assert r2.prompt_logprobs == [None, Logprob(5, -0.75, [(4, -0.5), (5, -0.75), (6, -2.0)], 2)]
     after = _ask(client, [1, 5, 9, 33], max_new_tokens=1, prompt_logprobs=1)
     add3 = w.recv(P.AddRequest)
@@ -186,9 +186,27 @@ def test_prompt_logprobs_a_request_did_not_ask_for_fail_it(router):
     assert r.finish_reason == "error" and "malformed logprobs" in r.error
 
 
-@pytest.mark.parametrize("bad", [[float("inf"), []], [-1.0, [[9, -0.5], [8, -1.0]]], [-1.0, [[-1, -0.5]]]])
+def test_sampled_logprobs_reach_the_client_with_their_rank(router):
+    """A sampled token's logprob, alternatives and rank arrive as a Logprob; a rank the worker does not know
+    (None) stays None."""
+    client, w = router
+    fut = _ask(client, [1, 5], max_new_tokens=2, logprobs=1)
+    add = w.recv(P.AddRequest)
+    w.send(P.StepTokens([add.req_id], [8], [None], [0], [[-0.25, [[8, -0.25]], 1]]))
+    w.send(P.StepTokens([add.req_id], [9], ["length"], [0], [[-3.5, [[8, -0.5]], None]]))
+    [r] = fut.result(30)
+    assert r.token_ids == [8, 9]
+    assert r.logprobs == [Logprob(8, -0.25, [(8, -0.25)], 1), Logprob(9, -3.5, [(8, -0.5)], None)]
+    assert r.logprobs[0].to_dict()["rank"] == 1 and "rank" not in r.logprobs[1].to_dict()
+
+
+@pytest.mark.parametrize("bad", [[float("inf"), [], 1], [-1.0, [[9, -0.5], [8, -1.0]], 1], [-1.0, [[-1, -0.5]], 1],
+                                 [-1.0, [], 0], [-1.0, [], 321], [-1.0, [], 2.0], [-1.0, []]],
+                         ids=["inf", "too many", "bad id", "rank 0", "rank past the vocabulary", "float rank",
+                              "no rank"])
 def test_malformed_sampled_logprobs_fail_the_request(router, bad):
-    """The sampled token's logprobs are checked the same way (finite, at most n alternatives, token ids)."""
+    """The sampled token's logprobs are checked the same way (finite, at most n alternatives, token ids, a
+    rank in 1 … vocabulary)."""
     client, w = router
     fut = _ask(client, [1, 5], max_new_tokens=2, logprobs=1)
     add = w.recv(P.AddRequest)
