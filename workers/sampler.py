@@ -55,7 +55,7 @@ class PendingSample(NamedTuple):
     token_ids: torch.Tensor              # [S] int64 on the device
     num_rows: int
     logprobs: tuple | None = None        # (rows, n per row, own [L], top values [L, k], top ids [L, k], ranks [L])
-    host: tuple = ()                     # the ids, then own / top values / top ids, as queued host copies
+    host: tuple = ()                     # the ids, then own / top values / top ids / ranks, as queued host copies
     ready: object = None                 # a torch.cuda.Event recorded after those copies; None on the CPU
 
     def is_ready(self) -> bool:

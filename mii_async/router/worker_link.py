@@ -39,7 +39,7 @@ def _delta_bytes(d: P.Delta) -> int:
     """A Delta's frame size, roughly: 4 bytes a token id, the text, ~24 bytes a logprob entry, the rest (a
     Delta with prompt logprobs goes in a frame of its own)."""
     ids = len(d.token_ids) + (len(d.prompt_ids) if d.prompt_ids is not None else 0)
-    lps = sum(2 + len(x[2]) for x in d.logprobs) if d.logprobs else 0
+    lps = sum(3 + len(x[2]) for x in d.logprobs) if d.logprobs else 0
     return 64 + 4 * ids + 4 * len(d.text) + 24 * lps
 
 
