@@ -4,23 +4,16 @@ rate, each the median of many CUDA-event-timed runs after a warm-up. The benchma
 these, so that a run on another card is held to that card's floor."""
 from __future__ import annotations
 
-import statistics
-
 import torch
+
+from .gemm_tiles import timer
 
 
 def _median_seconds(fn, runs: int) -> float:
+    """Median seconds of one fn() on the GPU (CUDA events), after one call that warms it up."""
     fn()
     torch.cuda.synchronize()
-    out = []
-    for _ in range(runs):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(out)
+    return timer(torch.device("cuda"))(fn, runs)
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, runs: int = 20) -> float:
