@@ -32,6 +32,7 @@ from .outputs import Logprob, Response, StreamChunk, Usage
 from .params import SamplingParams
 from .router.prompts import check_token_ids, is_messages, is_token_ids
 from .transport import DealerSocket
+from .unicode_text import check_text
 
 T = TypeVar("T")
 Prompt = Any   # str | list[int] (token ids) | list[dict] (chat messages)
@@ -102,12 +103,15 @@ class AsyncClient:
         req_id = str(next(self._ids))
         msg = P.Generate(req_id, params=_wire_params(params))
         if isinstance(prompt, str):
+            check_text("prompt", prompt)                 # msgpack could not carry it
             msg.prompt = prompt
         elif is_token_ids(prompt):
             check_token_ids(prompt)
             msg.prompt_ids = list(prompt)
         elif is_messages(prompt):
             msg.messages = [dict(m) for m in prompt]
+            for i, m in enumerate(msg.messages):
+                check_text(f"messages[{i}]", m)
         else:
             from .errors import InvalidParameterError
 

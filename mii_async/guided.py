@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 from .errors import InvalidParameterError
+from .unicode_text import check_text
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice")
 MAX_GUIDE_CHARS = 65536          # a schema's JSON text or a regex
@@ -35,15 +36,8 @@ def normalize_json_schema(v: Any) -> str:
         raise InvalidParameterError("guided_json", f"must be JSON: {exc}") from None
     if len(text) > MAX_GUIDE_CHARS:
         raise InvalidParameterError("guided_json", f"at most {MAX_GUIDE_CHARS} characters of JSON")
-    _utf8("guided_json", text)
+    check_text("guided_json", text)
     return text
-
-
-def _utf8(name: str, text: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:     # a lone surrogate: no text on the wire can hold it
-        raise InvalidParameterError(name, f"is not valid Unicode: {exc.reason} at position {exc.start}") from None
 
 
 def normalize_choice(v: Any) -> tuple[str, ...]:
@@ -52,7 +46,7 @@ def normalize_choice(v: Any) -> tuple[str, ...]:
     if len(v) > MAX_CHOICES or sum(map(len, v)) > MAX_GUIDE_CHARS:
         raise InvalidParameterError("guided_choice", f"at most {MAX_CHOICES} choices of {MAX_GUIDE_CHARS} characters")
     for c in v:
-        _utf8("guided_choice", c)
+        check_text("guided_choice", c)
     return tuple(v)
 
 
@@ -60,7 +54,7 @@ def check_regex(v: Any) -> str:
     if not isinstance(v, str) or not v or len(v) > MAX_GUIDE_CHARS:
         raise InvalidParameterError("guided_regex",
                                     f"must be a regular expression of 1 to {MAX_GUIDE_CHARS} characters")
-    _utf8("guided_regex", v)
+    check_text("guided_regex", v)
     try:
         re.compile(v)
     except re.error as exc:

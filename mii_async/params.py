@@ -12,6 +12,7 @@ from typing import Any
 
 from .errors import InvalidParameterError
 from .guided import GUIDED_FIELDS, check_regex, normalize_choice, normalize_json_schema, schema_regex
+from .unicode_text import check_text
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -20,6 +21,7 @@ MAX_LOGIT_BIAS = 1024    # entries of logit_bias
 MAX_STOP_STRING_LEN = 256
 MAX_INT = 2**31 - 1      # bound on counts (max_new_tokens, top_k, …): larger values mean nothing and overflow
 MAX_TOKEN_ID = 2**32 - 1 # token ids travel as uint32
+GREEDY_BELOW = 1e-5      # a temperature under this is greedy
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,7 @@ class SamplingParams:
         for s in stop:
             if not s or len(s) > MAX_STOP_STRING_LEN:
                 raise InvalidParameterError("stop", f"each stop string must have 1 to {MAX_STOP_STRING_LEN} characters")
+        check_text("stop", stop)
         object.__setattr__(self, "stop", tuple(stop))
         ids = self.stop_token_ids
         if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and 0 <= i <= MAX_TOKEN_ID for i in ids):
@@ -117,7 +120,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.do_sample is False or self.temperature == 0.0
+        """Temperatures under GREEDY_BELOW are greedy too: logits divided by one overflow (vLLM does the same)."""
+        return self.do_sample is False or self.temperature < GREEDY_BELOW
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> SamplingParams:

@@ -179,6 +179,27 @@ def test_model_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(UnsupportedModelError, match="llama"):
         mii_async.pipeline(str(tmp_path))
+    # a Llama whose MLP is not what the layers compute is refused, not run wrongly
+    for extra, name in (({"hidden_act": "gelu"}, "hidden_act"), ({"mlp_bias": True}, "mlp_bias")):
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **extra}))
+        with pytest.raises(UnsupportedModelError, match=name):
+            mii_async.pipeline(str(tmp_path))
+
+
+def test_text_that_is_not_unicode_names_the_field(default_pipe):
+    """A lone surrogate (legal in a str, not text) in a prompt, a message or a stop string is refused by name."""
+    for prompt, params, param in (("hi \ud800", {}, "prompt"), ("hi", {"stop": ["ok", "\udc00"]}, "stop[1]"),
+                                  ([{"role": "user", "content": "\ud83d"}], {}, "messages[0].content")):
+        with pytest.raises(InvalidParameterError) as e:
+            default_pipe(prompt, max_new_tokens=2, **params)
+        assert e.value.param == param and "lone surrogate" in str(e.value)
+
+
+def test_a_tiny_temperature_is_greedy(default_pipe):
+    """Logits divided by 1e-38 overflow: temperatures under 1e-5 sample greedily, as vLLM's do."""
+    greedy = default_pipe(CHAT, max_new_tokens=12)[0]
+    tiny = default_pipe(CHAT, max_new_tokens=12, temperature=1e-38)[0]
+    assert tiny.token_ids == greedy.token_ids and "Paris" in tiny.generated_text
 
 
 def test_closed_pipeline_rejects(default_model_dir):

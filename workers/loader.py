@@ -50,6 +50,11 @@ def load_spec(path: Path) -> ModelSpec:
     if mtype not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
             f"model_type {mtype!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    # What the layers implement: a SiLU-gated MLP without biases. Anything else would load and run, wrongly.
+    if (act := cfg.get("hidden_act", "silu")) not in ("silu", "swish"):
+        raise UnsupportedModelError(f"hidden_act {act!r} is not supported: the MLP is SiLU-gated (silu)")
+    if cfg.get("mlp_bias"):
+        raise UnsupportedModelError("mlp_bias=true is not supported: the MLP's projections have no biases here")
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"} or None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,6 +18,22 @@ from .state import GatewayState
 log = logging.getLogger("mii_async.gateway")
 _STARLETTE_CODES = {404: ("not_found_error", "not_found"), 405: ("invalid_request_error", "method_not_allowed"),
                     413: ("invalid_request_error", "request_too_large")}
+
+
+# A step of pydantic's error location that names a member of a union (`str`, `list[str]`,
+# `function-after[...]`), not a field of the request.
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|bytes|list|dict|tuple|set|none|any)$|[\[\]-]")
+
+
+def param_name(loc) -> str | None:
+    """pydantic's location of an error → the parameter as the caller wrote it: `messages[0].content`."""
+    out = ""
+    for x in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(x, int):
+            out += f"[{x}]"
+        elif not _UNION_MEMBER.search(str(x)):
+            out += f".{x}" if out else str(x)
+    return out or None
 
 
 def create_app(state: GatewayState) -> FastAPI:
@@ -47,8 +64,7 @@ def create_app(state: GatewayState) -> FastAPI:
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         state.metrics.refused(request.url.path, "invalid_parameter")
         err = exc.errors()[0] if exc.errors() else {}
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
+        param = param_name(err.get("loc", ()))
         if err.get("type") == "extra_forbidden":
             message = f"Unrecognized request argument supplied: {param}"
         elif err.get("type") == "json_invalid":

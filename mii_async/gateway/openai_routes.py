@@ -33,10 +33,11 @@ from .openai_schemas import ChatCompletionRequest, CompletionRequest
 from .sse import DONE, EventStream, event, until_disconnect
 from .state import GatewayState
 from .streams import Job, Opened, collect, merge, open_streams
+from .text_route import CheckedRoute
 from .tool_answer import ToolDeltas, stream_choices, tool_message
 from .tool_mode import ToolMode
 
-router = APIRouter()
+router = APIRouter(route_class=CheckedRoute)
 
 
 def _state(request: Request) -> GatewayState:

@@ -11,8 +11,9 @@ from ..errors import MIIAsyncError
 from .http_errors import HTTPError
 from .metrics import metrics_content_type
 from .state import GatewayState
+from .text_route import CheckedRoute
 
-router = APIRouter()
+router = APIRouter(route_class=CheckedRoute)
 
 
 @router.get("/health")

@@ -26,8 +26,9 @@ from .http_errors import HTTPError, bad_request, from_exception
 from .sse import DONE, EventStream, event, until_disconnect
 from .state import GatewayState
 from .streams import Job, Opened, collect, merge, open_streams
+from .text_route import CheckedRoute
 
-router = APIRouter()
+router = APIRouter(route_class=CheckedRoute)
 MAX_PROMPTS = 1024
 
 

@@ -17,10 +17,11 @@ from .http_errors import HTTPError, bad_request
 from .openai_params import chat_messages, plain_messages
 from .openai_routes import check_model
 from .state import GatewayState
+from .text_route import CheckedRoute
 from .tool_mode import tool_mode
 from .tool_prompt import has_tool_calls, render_chat
 
-router = APIRouter()
+router = APIRouter(route_class=CheckedRoute)
 
 
 class TokenizeRequest(BaseModel):

@@ -25,6 +25,7 @@ from fastapi import APIRouter, WebSocket
 from ..errors import InvalidParameterError, MIIAsyncError, error_code
 from ..outputs import StreamChunk
 from ..params import SamplingParams
+from ..unicode_text import check_json_text, lone_surrogate
 from .state import GatewayState
 
 log = logging.getLogger("mii_async.gateway.ws")
@@ -120,6 +121,15 @@ class WsConnection:
                 frame = json.loads(msg["text"])
             except ValueError as exc:
                 self._error(None, "invalid_json", f"not JSON: {exc}")
+                continue
+            try:
+                check_json_text(msg["text"], frame)     # a lone surrogate would break this frame's answers too
+            except InvalidParameterError as exc:
+                req_id = frame.get("id") if isinstance(frame, dict) else None
+                if lone_surrogate(req_id, "") is not None or isinstance(req_id, (dict, list)):
+                    req_id = None
+                (self._refuse if isinstance(frame, dict) and frame.get("type") == "generate" else self._error)(
+                    req_id, "invalid_parameter", str(exc), exc.param)
                 continue
             self._on_frame(frame)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import InvalidParameterError
+from ..unicode_text import check_text
 
 MAX_MESSAGES = 4096
 
@@ -34,6 +35,7 @@ class PromptEncoder:
     def encode(self, prompt: Any) -> tuple[str | None, list[int]]:
         """Returns the prompt's text (None for token ids) and its token ids."""
         if isinstance(prompt, str):
+            check_text("prompt", prompt)
             return prompt, list(self.tokenizer(prompt)["input_ids"])
         if is_token_ids(prompt):
             check_token_ids(prompt)
@@ -49,6 +51,7 @@ class PromptEncoder:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise InvalidParameterError(f"messages[{i}]", "needs a string 'role' and a string 'content'")
+            check_text(f"messages[{i}]", m)
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidParameterError("messages", "this model's tokenizer has no chat template")
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
