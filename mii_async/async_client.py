@@ -221,7 +221,14 @@ class AsyncClient:
                 loop = asyncio.new_event_loop()
                 threading.Thread(target=loop.run_forever, name="mii_async-client", daemon=True).start()
                 self._sync_loop = loop
-        return asyncio.run_coroutine_threadsafe(coro, self._sync_loop).result()
+        fut = asyncio.run_coroutine_threadsafe(coro, self._sync_loop)
+        try:
+            return fut.result()
+        except BaseException:
+            # Interrupted (Ctrl-C) or failed: cancel the coroutine, so that its requests are aborted at the
+            # router instead of running on to max_new_tokens.
+            fut.cancel()
+            raise
 
     def _conn(self) -> Connection:
         if self._closed:

@@ -102,6 +102,27 @@ def test_leaving_the_loop_early_frees_kv(deployment):
     assert asyncio.run(main()) < 5
 
 
+def test_interrupting_the_sync_facade_aborts_its_request(deployment):
+    """Ctrl-C in `client(...)` cancels its coroutine on the client's loop, so the request is aborted at the
+    router and its KV blocks come back, instead of running on to max_new_tokens."""
+    import signal
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    deployment.run(kv_idle(deployment))
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 1.5)
+        with pytest.raises(KeyboardInterrupt):
+            deployment(["Tell me a very long story."], max_new_tokens=2000, ignore_eos=True)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    deployment.run(kv_idle(deployment))
+    assert deployment.run(deployment.health())["live_requests"] == 0
+
+
 async def _used(client) -> int:
     return (await client.stats())["used_blocks"]   # 0 while the replica is unanswered
 
