@@ -70,12 +70,17 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], *, stop: Sequence[str] = (),
-                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True) -> None:
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
+                 min_new_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._fast = _backend_decode(tokenizer, skip_special_tokens)
         self._stop = tuple(s for s in stop if s)  # "" would match everywhere; validation happens upstream
         self._include_stop = include_stop_str_in_output
+        # Stop strings are looked for once this many ids are generated, in text decoded from then on (as vLLM
+        # does; the sampler holds back EOS and stop ids as long)
+        self._min_new_tokens = min_new_tokens
+        self._generated = 0
 
         context = list(prompt_ids[-PROMPT_CONTEXT_IDS:])
         if context and self._decode(context).endswith(REPLACEMENT_CHAR):
@@ -99,6 +104,7 @@ class IncrementalDetokenizer:
         """Feed newly generated ids (one or more); return the text that became safe to show."""
         assert not self._finished, "push() after the request stopped or was flushed"
         self._ids.extend(token_ids)
+        self._generated += len(token_ids)
         return self._emit(self._decode_pending(final=False))
 
     def flush(self) -> str:
@@ -161,7 +167,7 @@ class IncrementalDetokenizer:
     def _emit(self, new_text: str) -> Delta:
         """Append decoded text behind the held text; emit what can no longer become part of a stop string."""
         pending = self._held + new_text
-        if not self._stop:
+        if not self._stop or self._generated < self._min_new_tokens:
             self._held = ""
             return self._delta(pending)
 

@@ -39,7 +39,8 @@ class RequestState:
         self.params = params
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, stop=params.stop,
                                              include_stop_str_in_output=params.include_stop_str_in_output,
-                                             skip_special_tokens=params.skip_special_tokens)
+                                             skip_special_tokens=params.skip_special_tokens,
+                                             min_new_tokens=params.min_new_tokens)
         self.output_ids: list[int] = []
         self.keep_logprobs = keep_logprobs      # gather them for response(); else they live in their chunk only
         # both None unless kept: the sampled tokens' (one per token), the prompt's (set by the first token's event)

@@ -179,6 +179,21 @@ def test_stop_string_at_start(tok):
     assert all(d.text == "" for d in deltas) and rest == "" and detok.text == ""
 
 
+def test_stop_strings_wait_for_min_new_tokens(tok):
+    """Before min_new_tokens ids exist a stop string is ordinary text; from the id that reaches it on, text is
+    looked at again (vLLM's rule), so a later occurrence stops the request."""
+    text = "Tom went home. Then Tom slept."
+    ids = encode(tok, text)
+    first = full_decode(tok, ids).index("Tom", 1)
+    reach = next(n for n in range(1, len(ids) + 1) if len(full_decode(tok, ids[:n])) > first)   # its id
+    detok = IncrementalDetokenizer(tok, [], stop=["Tom"], min_new_tokens=reach - 1)
+    deltas, _ = run(detok, one_by_one(ids))
+    assert deltas[-1].stopped and detok.text == "Tom went home. Then "
+    detok = IncrementalDetokenizer(tok, [], stop=["Tom"], min_new_tokens=reach + 1)
+    deltas, rest = run(detok, one_by_one(ids))
+    assert not any(d.stopped for d in deltas) and detok.text == text
+
+
 def test_partial_stop_string_is_held_then_released(tok):
     """Text that only starts like the stop string is held back, never leaked, then released when it diverges."""
     stop = "\n\nUser:"
