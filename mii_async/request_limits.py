@@ -25,6 +25,11 @@ class RequestLimits:
         if bad is not None:
             raise InvalidParameterError("prompt", f"token id {bad} is outside the vocabulary (size {self.vocab_size})")
         params.check_vocab(self.vocab_size)
+        limit = min(self.max_model_len, self.max_request_tokens)
+        if len(prompt_ids) >= limit:              # no max_new_tokens could make it fit: the prompt is the fault
+            what = "the model's context" if limit == self.max_model_len else "the KV pool"
+            raise RequestTooLongError("prompt", f"the prompt's {len(prompt_ids)} tokens leave no room to generate "
+                                      f"within {what} of {limit} tokens")
         total = len(prompt_ids) + params.max_new_tokens
         if total > self.max_model_len:
             raise RequestTooLongError("max_new_tokens", f"prompt ({len(prompt_ids)} tokens) + max_new_tokens "

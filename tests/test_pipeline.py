@@ -159,6 +159,9 @@ def test_request_errors_name_the_parameter(default_pipe):
     """Impossible or malformed requests fail at once with an error naming the parameter; the engine lives on."""
     with pytest.raises(RequestTooLongError, match="max_new_tokens"):
         default_pipe("hi", max_new_tokens=10**6)
+    with pytest.raises(RequestTooLongError) as e:           # the prompt alone leaves no room: it is named
+        default_pipe([[5] * 200_000], max_new_tokens=1)
+    assert e.value.param == "prompt" and "200000 tokens leave no room" in str(e.value)
     with pytest.raises(InvalidParameterError, match="prompt"):
         default_pipe([3.5])
     with pytest.raises(InvalidParameterError, match="prompt"):

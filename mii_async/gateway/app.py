@@ -78,7 +78,9 @@ def create_app(state: GatewayState) -> FastAPI:
         kind, code = _STARLETTE_CODES.get(exc.status_code, ("invalid_request_error", "invalid_request"))
         if exc.status_code == 413:
             state.metrics.refused(request.url.path, code)
-        return HTTPError(exc.status_code, str(exc.detail), kind, None, code).response()
+        response = HTTPError(exc.status_code, str(exc.detail), kind, None, code).response()
+        response.headers.update(exc.headers or {})           # 405's Allow
+        return response
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -25,6 +25,7 @@ from .tool_prompt import encode_chat, has_tool_calls, markers_are_special
 MAX_N = 16
 MAX_CHOICES = 1024       # prompts × n of one request: each is an engine request
 RENAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+CHAT_RENAME = {**RENAME, "prompt": "messages"}     # a chat's prompt is its messages
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
 
 
@@ -101,7 +102,7 @@ def _jobs(prompts: list[Any], params: dict[str, Any], n: int) -> list[Job]:
         for j in range(n):
             p = dict(params)
             if n > 1 and p.get("seed") is not None:
-                p["seed"] = p["seed"] + j          # distinct yet reproducible choices
+                p["seed"] = (p["seed"] + j) % 2**63    # distinct yet reproducible choices (checked above: in range)
             if j > 0:
                 # Only a prompt's first choice asks for its prompt logprobs: such a request is computed whole
                 # (no prefix-cache hits) and carries a large list; the other choices reuse the first one's

@@ -1,4 +1,4 @@
-"""OpenAI-compatible routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
+"""OpenAI-compatible routes: GET /v1/models and /v1/models/{model}, POST /v1/completions, POST /v1/chat/completions.
 
 `stream: true` answers with server-sent events, one chunk per streamed step of each choice, then (with
 `stream_options.include_usage`) a usage chunk whose `choices` is empty, then `data: [DONE]`. A refused request
@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse
 from ..errors import GenerationError, MIIAsyncError
 from ..outputs import Logprob, StreamChunk
 from .http_errors import HTTPError, from_exception
-from .openai_params import RENAME, chat_plan, completion_jobs
+from .openai_params import CHAT_RENAME, RENAME, chat_plan, completion_jobs
 from .openai_schemas import ChatCompletionRequest, CompletionRequest
 from .sse import DONE, EventStream, event, until_disconnect
 from .state import GatewayState
@@ -52,9 +52,19 @@ def check_model(state: GatewayState, model: str | None) -> None:
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict:
+    return {"object": "list", "data": [_model_card(_state(request))]}
+
+
+@router.get("/v1/models/{model:path}")
+async def model(model: str, request: Request) -> dict:
+    """One model, as the `openai` package's models.retrieve() asks; 404 for any other name."""
     s = _state(request)
-    return {"object": "list", "data": [{"id": s.model_name, "object": "model", "created": s.created,
-                                        "owned_by": "mii_async"}]}
+    check_model(s, model)
+    return _model_card(s)
+
+
+def _model_card(s: GatewayState) -> dict:
+    return {"id": s.model_name, "object": "model", "created": s.created, "owned_by": "mii_async"}
 
 
 @router.post("/v1/completions")
@@ -71,7 +81,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     try:
         jobs, tools = await chat_plan(body, s)
     except MIIAsyncError as exc:
-        raise from_exception(exc, RENAME) from None
+        raise from_exception(exc, CHAT_RENAME) from None
     return await _answer(s, request, "chat", jobs, body, chat=True, tools=tools)
 
 
@@ -79,10 +89,11 @@ async def _answer(s: GatewayState, request: Request, api: str, jobs: list[Job], 
                   tools: ToolMode | None = None):
     meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": s.model_name}
+    rename = CHAT_RENAME if chat else RENAME
     try:
         opened = await until_disconnect(request, open_streams(s, api, jobs))
     except MIIAsyncError as exc:
-        raise from_exception(exc, RENAME, counted=True) from None
+        raise from_exception(exc, rename, counted=True) from None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStream(_events(s, opened, meta, chat, include_usage, bool(getattr(body, "echo", False)),
@@ -90,7 +101,7 @@ async def _answer(s: GatewayState, request: Request, api: str, jobs: list[Job], 
     try:
         chunks = await until_disconnect(request, collect(opened))
     except MIIAsyncError as exc:
-        raise from_exception(exc, RENAME, counted=True) from None
+        raise from_exception(exc, rename, counted=True) from None
     choices, usage = [], _Usage()
     answer: dict[str, Any] = {}
     parts = _PromptParts(s, opened)
@@ -157,10 +168,13 @@ async def _events(s: GatewayState, opened: list[Opened], meta: dict, chat: bool,
     async with aclosing(merge(opened)) as items:
         async for job, c in items:
             if isinstance(c, Exception):
-                yield _error_event(c)
+                usage.failed(job)
+                yield _error_event(c, chat)
                 continue
+            usage.saw(job, c)
             if c.finish_reason == "error":
-                yield _error_event(GenerationError(c.error or "generation failed"))
+                usage.failed(job)
+                yield _error_event(GenerationError(c.error or "generation failed"), chat)
                 continue
             want_lp = job.params.get("logprobs") is not None and c.logprobs
             if answers:
@@ -183,13 +197,27 @@ async def _events(s: GatewayState, opened: list[Opened], meta: dict, chat: bool,
     yield DONE
 
 
-def _error_event(exc: Exception) -> str:
-    return event(from_exception(exc, RENAME).body())
+def _error_event(exc: Exception, chat: bool) -> str:
+    return event(from_exception(exc, CHAT_RENAME if chat else RENAME).body())
 
 
 class _Usage:
     def __init__(self) -> None:
         self.prompt, self.completion, self.cached, self.seen = 0, 0, 0, set()
+        self.streamed: dict[int, int] = {}        # tokens streamed per choice, for one that ends in an error
+        self.prompt_lens: dict[int, int] = {}     # per prompt, from a first chunk's prompt ids
+
+    def saw(self, job: Job, c: StreamChunk) -> None:
+        self.streamed[job.index] = self.streamed.get(job.index, 0) + len(c.token_ids)
+        if c.prompt_token_ids:
+            self.prompt_lens.setdefault(job.prompt_index, len(c.prompt_token_ids))
+
+    def failed(self, job: Job) -> None:
+        """A choice that ended in an error counts what it streamed (and its prompt, if a chunk came)."""
+        self.completion += self.streamed.get(job.index, 0)
+        if job.prompt_index not in self.seen and job.prompt_index in self.prompt_lens:
+            self.seen.add(job.prompt_index)
+            self.prompt += self.prompt_lens[job.prompt_index]
 
     def add(self, job: Job, last: StreamChunk) -> None:
         u = last.usage

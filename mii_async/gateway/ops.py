@@ -1,4 +1,4 @@
-"""Operations: GET /health (200 when the deployment can take requests, else 503), GET /metrics, and
+"""Operations: GET (or HEAD) /health (200 when the deployment can take requests, else 503), GET /metrics, and
 POST /reset_prefix_cache (every replica forgets the prefixes of its free KV blocks: benchmarks' reruns)."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from .text_route import CheckedRoute
 router = APIRouter(route_class=CheckedRoute)
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])      # HEAD: some load balancers' checks use it
 async def health(request: Request) -> JSONResponse:
     """200 {"status": "ready", …} when the router is ready with a live replica; 503 while it starts or
     drains, when no replica is alive, or when the router does not answer."""

@@ -12,6 +12,16 @@ def test_models_lists_the_served_model(oai, deployment):
     """GET /v1/models lists one model, named as the router serves it."""
     models = oai.models.list().data
     assert [m.id for m in models] == [deployment.run(deployment.health())["model_name"]]
+    assert oai.models.retrieve(models[0].id).id == models[0].id            # GET /v1/models/{model}
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("some/other-model")
+
+
+def test_http_plumbing_answers_as_clients_expect(gateway_url):
+    """HEAD /health (some load balancers' checks) is 200; a wrong method is 405 naming the allowed one."""
+    assert httpx.head(f"{gateway_url}/health", timeout=30).status_code == 200
+    r = httpx.put(f"{gateway_url}/v1/completions", json={}, timeout=30)
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["code"] == "method_not_allowed"
 
 
 def test_chat_completion_answers_paris(oai, model, deployment):

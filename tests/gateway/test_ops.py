@@ -167,13 +167,14 @@ async def _queued(client, n: int) -> bool:
 
 
 def test_worker_death_mid_stream_and_health(small):
-    """kill -9 of the only worker during an SSE stream: the stream ends with an error event, then [DONE];
-    /health answers 503 until the replacement is ready, then 200 again."""
+    """kill -9 of the only worker during an SSE stream: the stream ends with an error event, the usage of what
+    was streamed, then [DONE]; /health answers 503 until the replacement is ready, then 200 again."""
     import json
 
     url, headers = small.http_url, {"Authorization": f"Bearer {KEY}"}
     [pid] = deployment_pids(small.run(small.health()))
-    body = {"prompt": "Tell me a long story.", "max_tokens": 500, "ignore_eos": True, "stream": True}
+    body = {"prompt": "Tell me a long story.", "max_tokens": 500, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=60) as r:
         lines = r.iter_lines()
         first = next(ln for ln in lines if ln.startswith("data: "))
@@ -181,8 +182,11 @@ def test_worker_death_mid_stream_and_health(small):
         rest = [ln for ln in lines if ln.startswith("data: ")]
     assert "choices" in json.loads(first[6:])
     assert rest[-1] == "data: [DONE]"
-    error = json.loads(rest[-2][6:])["error"]
+    error = json.loads(rest[-3][6:])["error"]
     assert error["code"] == "generation_failed" and error["type"] == "internal_error"
+    chunks = 1 + len(rest) - 3                     # each carries a token
+    usage = json.loads(rest[-2][6:])["usage"]
+    assert usage["prompt_tokens"] > 0 and usage["completion_tokens"] >= chunks, (usage, chunks)
     deadline = time.monotonic() + 10
     codes = set()
     while time.monotonic() < deadline and 503 not in codes:
