@@ -126,7 +126,6 @@ class BlockManager:
         max_blocks = (seq.num_tokens - 1) // self.block_size
         if seq.prompt_lps is not None:             # prompt logprobs: a position not scored yet needs its logits
             max_blocks = min(max_blocks, seq.num_scored // self.block_size)
-        self.query_tokens += seq.prompt_len
         if not self.enable_prefix_caching:
             return
         parent: int | None = None
@@ -144,8 +143,16 @@ class BlockManager:
         n = len(seq.block_table)
         seq.num_computed_tokens = n * self.block_size
         seq.num_hashed_blocks, seq.last_block_hash = n, parent
-        seq.num_cached_prompt_tokens = min(seq.num_computed_tokens, seq.prompt_len)
-        self.hit_tokens += seq.num_cached_prompt_tokens
+
+    def admitted(self, seq: Sequence) -> None:
+        """Counts a match_prefix that the scheduler kept (one it gave back, the queue's head waiting for blocks,
+        is tried again next step and counted then). A request's `num_cached_prompt_tokens` (its usage) is
+        its first admission's: a recompute after preemption serves it nothing new."""
+        hit = min(seq.num_computed_tokens, seq.prompt_len)
+        self.query_tokens += seq.prompt_len
+        self.hit_tokens += hit
+        if seq.num_preemptions == 0:
+            seq.num_cached_prompt_tokens = hit
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """After a step: records the hash of every block of `seq` that is now full of computed tokens whose

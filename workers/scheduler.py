@@ -145,7 +145,7 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending:
                 break                           # preempted with a token in flight: next step, once it is read
-            if not seq.block_table:
+            if matched := not seq.block_table:
                 bm.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, bm.max_appendable(seq))
             if n > 0 and seq.scoring:
@@ -157,6 +157,8 @@ class Scheduler:
                 seq.last_block_hash = None
                 break
             self.waiting.popleft()
+            if matched:
+                bm.admitted(seq)                # before append: computed tokens are still the prefix hit
             bm.append(seq, n)
             seq.status = Status.RUNNING
             self.running.append(seq)

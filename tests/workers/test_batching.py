@@ -118,3 +118,25 @@ def test_prefix_cache_shared_prefix_concurrently(tiny_model):
     run_engine(warm, [batch[0]], max_new_tokens=1)
     assert run_engine(warm, batch, max_new_tokens=16, min_new_tokens=16) == expected
     assert warm.stats()["prefix_hit_tokens"] >= 6 * 64
+
+
+def test_prefix_counters_count_each_admission_once(tiny_model):
+    """A queue head that waits for blocks is matched again each step but counted once, when admitted; a
+    request's cached_tokens (its usage) are its first admission's, whatever its recompute after a preemption
+    finds (here two unrelated prompts in a pool too small for both: nothing was ever served from the cache)."""
+    from mii_async.params import SamplingParams
+
+    rng = random.Random(4)
+    engine = make_engine(tiny_model("llama"), block_size=4, num_blocks=12, max_batch_tokens=64)
+    prompts = [[rng.randrange(3, 320) for _ in range(10)] for _ in range(2)]
+    for i, p in enumerate(prompts):
+        engine.add_request(i, p, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    cached = {0: set(), 1: set()}
+    while engine.has_work():
+        for o in engine.step():
+            cached[o.req_id].add(o.cached_tokens)
+    st = engine.stats()
+    assert st["preemptions"] >= 1 and cached == {0: {0}, 1: {0}}
+    # each admission looks up its prompt once: two first admissions plus one per recompute
+    assert st["prefix_query_tokens"] == 10 * (2 + st["preemptions"])
+    assert st["prefix_hit_tokens"] <= 8 * st["preemptions"]        # a recompute finds its own full blocks
