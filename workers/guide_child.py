@@ -19,48 +19,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mii_async.token_bytes import token_bytes
+
 FAILED, INDEX, READY, NO_VOCABULARY = 0, 1, 2, 3       # the kinds of a child's frame
 HEADER = struct.Struct("<BQ")
 REQUEST = struct.Struct("<I")
-
-
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's printable stand-ins for bytes (a ByteLevel tokenizer's vocabulary is written in them) → byte."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
-
-
-def token_bytes(tokenizer: Any) -> dict[bytes, list[int]]:
-    """Each token's bytes → its ids, for a `tokenizers.Tokenizer` (or a transformers fast tokenizer). Special
-    tokens are left out: a guide never allows them. ByteLevel vocabularies (GPT-2, Llama 3, Qwen2, SmolLM) map
-    through GPT-2's byte alphabet; SentencePiece ones (Llama 2, Mistral) write a space as ▁ and raw bytes as
-    <0xHH>; added tokens that are not special stand for their text."""
-    tk = getattr(tokenizer, "backend_tokenizer", tokenizer)
-    added = tk.get_added_tokens_decoder()
-    byte_level = "ByteLevel" in repr(tk.decoder)
-    dec = _byte_decoder() if byte_level else {}
-    out: dict[bytes, list[int]] = {}
-    for tok, i in tk.get_vocab(with_added_tokens=False).items():
-        if i in added:
-            continue
-        if byte_level and all(c in dec for c in tok):
-            b = bytes(dec[c] for c in tok)
-        elif len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">"):
-            b = bytes([int(tok[3:5], 16)])
-        else:
-            b = tok.replace("▁", " ").encode("utf-8")
-        if b:
-            out.setdefault(b, []).append(i)
-    for i, t in added.items():
-        if not t.special and t.content:
-            out.setdefault(t.content.encode("utf-8"), []).append(i)
-    return out
 
 
 def _tokenizer(model_path: str) -> Any:

@@ -331,8 +331,7 @@ def _vllm_prompt_logprobs(s: GatewayState, first: StreamChunk | None, n: int) ->
 
 def _chat_logprobs(s: GatewayState, lps: list[Logprob]) -> dict:
     def entry(token_id: int, logprob: float) -> dict:
-        t = s.token_text(token_id)
-        return {"token": t, "logprob": logprob, "bytes": list(t.encode())}
+        return {"token": s.token_text(token_id), "logprob": logprob, "bytes": list(s.token_bytes(token_id))}
 
     return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
                         for lp in lps]}

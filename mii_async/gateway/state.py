@@ -30,6 +30,8 @@ class GatewayState:
         self.tokenizer_path = tokenizer_path
         self.tokenizer: Any = None            # loaded at startup from the router's model directory
         self._texts: dict[int, str] = {}      # token id → tokenizer.decode([id]): bounded by the vocabulary
+        self._bytes: dict[int, bytes] = {}    # token id → its bytes (chat logprobs), as bounded
+        self._speller: Any = None
         self.model_name = config.served_model_name or ""
         self.created = int(time.time())
         self._health: tuple[float, dict] | None = None
@@ -133,6 +135,22 @@ class GatewayState:
                 self._texts.clear()
             t = self._texts[token_id] = self.tokenizer.decode([token_id])
         return t
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's bytes (chat logprobs' `bytes`): joined, they spell the output even where a token holds
+        part of a character, which its text shows as U+FFFD. Cached as token_text is."""
+        b = self._bytes.get(token_id)
+        if b is None:
+            if self.tokenizer is None:
+                return self.token_text(token_id).encode()
+            if self._speller is None:
+                from ..token_bytes import TokenSpeller
+
+                self._speller = TokenSpeller(self.tokenizer)
+            if len(self._bytes) >= MAX_CACHED_TEXTS:
+                self._bytes.clear()
+            b = self._bytes[token_id] = self._speller.spell(token_id)
+        return b
 
     def close(self) -> None:
         if self._init_task is not None:

@@ -77,6 +77,14 @@ def test_completion_streaming_and_chat_logprobs(oai, model):
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens and all(len(t.top_logprobs) == 3 for t in content)
     assert "".join(t.token for t in content) == r.choices[0].message.content
+    assert all(bytes(t.bytes) == t.token.encode() for t in content)
+    # Where a token holds part of a character its text is U+FFFD, but its bytes are the token's own, so that
+    # joined they spell the answer (SmolLM writes each of these emoji as two byte-level tokens).
+    emoji = [{"role": "user", "content": "Reply with only emojis: 😀😃😄🎉"}]
+    r = oai.chat.completions.create(model=model, messages=emoji, max_tokens=12, temperature=0, logprobs=True)
+    content = r.choices[0].logprobs.content
+    assert any(t.token == "\ufffd" for t in content)
+    assert bytes(b for t in content for b in t.bytes).decode() == r.choices[0].message.content
 
 
 def test_logit_bias_forces_and_bans_tokens(oai, model, deployment, gateway_url):

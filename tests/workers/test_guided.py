@@ -61,7 +61,7 @@ def _chat(tokenizer, question: str) -> list[int]:
 
 def test_token_bytes_spell_every_text(tokenizer):
     """The bytes given to each token concatenate, over any encoding, to the text's UTF-8 bytes."""
-    from mii_async.workers.guide_child import token_bytes
+    from mii_async.token_bytes import token_bytes
 
     by_id = {i: b for b, ids in token_bytes(tokenizer).items() for i in ids}
     for text in ["Hello, world!", "  two spaces\nand a newline\t", "naïve café — 東京 🙂", '{"a": [1, 2.5e-3]}']:
@@ -71,7 +71,7 @@ def test_token_bytes_spell_every_text(tokenizer):
 
 def test_special_tokens_are_never_in_a_guide(tokenizer):
     """Every added token marked special (<|im_end|>, <repo_name>, …) is left out of the guide's vocabulary."""
-    from mii_async.workers.guide_child import token_bytes
+    from mii_async.token_bytes import token_bytes
 
     ids = {i for group in token_bytes(tokenizer).values() for i in group}
     special = {i for i, t in tokenizer.backend_tokenizer.get_added_tokens_decoder().items() if t.special}
@@ -208,7 +208,7 @@ def test_token_bytes_of_a_sentencepiece_vocabulary():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from mii_async.workers.guide_child import token_bytes
+    from mii_async.token_bytes import token_bytes
 
     trained = Tokenizer(models.BPE(unk_token="<unk>"))
     trained.pre_tokenizer = pre_tokenizers.Metaspace()
