@@ -26,6 +26,11 @@ MAX_N = 16
 MAX_CHOICES = 1024       # prompts × n of one request: each is an engine request
 RENAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 CHAT_RENAME = {**RENAME, "prompt": "messages"}     # a chat's prompt is its messages
+# OpenAI's chat fields that we accept at their neutral values only: (name, those values, why no other)
+_NEUTRAL = (("store", (None, False), "nothing is stored"),
+            ("service_tier", (None, "auto", "default"), "one tier serves every request"),
+            ("reasoning_effort", (None,), "the model does not reason apart from its answer"),
+            ("modalities", (None, ["text"]), "the model answers in text only"))
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
 
 
@@ -230,6 +235,9 @@ async def chat_plan(body: ChatCompletionRequest, state: GatewayState) -> tuple[l
         if getattr(body, legacy) is not None:
             raise bad_request(legacy, f"{legacy} (the legacy function calling) is not supported: give the functions "
                               "as tools, and tool_choice instead of function_call")
+    for name, neutral, why in _NEUTRAL:
+        if (v := getattr(body, name)) not in neutral:
+            raise bad_request(name, f"{name}={v!r} is not supported: {why}")
     n = _n(body)
     messages = chat_messages(body.messages)
     mode = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls)

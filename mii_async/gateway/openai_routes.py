@@ -1,9 +1,11 @@
-"""OpenAI-compatible routes: GET /v1/models and /v1/models/{model}, POST /v1/completions, POST /v1/chat/completions.
+"""OpenAI-compatible routes: GET /v1/models and /v1/models/{model}, POST /v1/completions and
+/v1/chat/completions.
 
 `stream: true` answers with server-sent events, one chunk per streamed step of each choice, then (with
-`stream_options.include_usage`) a usage chunk whose `choices` is empty, then `data: [DONE]`. A refused request
-is answered before any event (400 / 404 / 503 in OpenAI's error format); an error in the middle of a stream is
-sent as `data: {"error": …}`, then `[DONE]`. A client that disconnects aborts its requests.
+`stream_options.include_usage`) a usage chunk whose `choices` is empty, then `data: [DONE]` (vLLM's
+`continuous_usage_stats` adds the usage so far to every chunk). A refused request is answered before any
+event (400 / 404 / 503 in OpenAI's error format); an error in the middle of a stream is sent as
+`data: {"error": …}`, then `[DONE]`. A client that disconnects aborts its requests.
 
 Prompt logprobs, two ways: completions' `echo` with `logprobs: n` (OpenAI's) puts the echoed prompt's tokens
 first in the choice's logprobs, the first one's logprob and top null (streamed: in the first chunk, with the
@@ -96,8 +98,9 @@ async def _answer(s: GatewayState, request: Request, api: str, jobs: list[Job], 
         raise from_exception(exc, rename, counted=True) from None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        continuous = include_usage and bool(body.stream_options.continuous_usage_stats)
         return EventStream(_events(s, opened, meta, chat, include_usage, bool(getattr(body, "echo", False)),
-                                   None if chat else body.logprobs, tools))
+                                   None if chat else body.logprobs, tools, continuous))
     try:
         chunks = await until_disconnect(request, collect(opened))
     except MIIAsyncError as exc:
@@ -144,15 +147,20 @@ async def _answer(s: GatewayState, request: Request, api: str, jobs: list[Job], 
 
 
 async def _events(s: GatewayState, opened: list[Opened], meta: dict, chat: bool, include_usage: bool,
-                  echo: bool, echo_logprobs: int | None, tools: ToolMode | None = None) -> AsyncIterator[str]:
+                  echo: bool, echo_logprobs: int | None, tools: ToolMode | None = None,
+                  continuous: bool = False) -> AsyncIterator[str]:
+    """`continuous` (vLLM's stream_options.continuous_usage_stats): every chunk carries the usage so far."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     extra = {"usage": None} if include_usage else {}
     usage = _Usage()
+    for o in opened:
+        usage.saw_prompt(o.job, o.first)
     offsets = {o.job.index: 0 for o in opened}
     answers = {o.job.index: ToolDeltas(tools) for o in opened} if tools is not None else {}   # each its own
 
     def chunk(choice: dict) -> str:
-        return event({**meta, "object": obj, "choices": [choice], **extra})
+        return event({**meta, "object": obj, "choices": [choice], **(
+            {"usage": usage.so_far()} if continuous else extra)})
 
     if chat:
         for o in opened:
@@ -209,8 +217,15 @@ class _Usage:
 
     def saw(self, job: Job, c: StreamChunk) -> None:
         self.streamed[job.index] = self.streamed.get(job.index, 0) + len(c.token_ids)
+        self.saw_prompt(job, c)
+
+    def saw_prompt(self, job: Job, c: StreamChunk) -> None:
         if c.prompt_token_ids:
             self.prompt_lens.setdefault(job.prompt_index, len(c.prompt_token_ids))
+
+    def so_far(self) -> dict:
+        prompt, completion = sum(self.prompt_lens.values()), sum(self.streamed.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def failed(self, job: Job) -> None:
         """A choice that ended in an error counts what it streamed (and its prompt, if a chunk came)."""

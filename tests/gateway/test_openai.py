@@ -47,6 +47,13 @@ def test_chat_streaming_with_usage(oai, model):
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes == ["stop"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    # vLLM's continuous_usage_stats: every chunk carries the usage so far
+    chunks = list(oai.chat.completions.create(model=model, messages=QUESTION, max_tokens=16, temperature=0,
+                                              stream=True, stream_options={"include_usage": True,
+                                                                           "continuous_usage_stats": True}))
+    running = [c.usage.completion_tokens for c in chunks]
+    assert running == sorted(running) and running[0] == 0 and running[-1] == plain.usage.completion_tokens
+    assert {c.usage.prompt_tokens for c in chunks} == {plain.usage.prompt_tokens}
 
 
 def test_completions_stop_seed_n_logprobs(oai, model):
@@ -158,6 +165,19 @@ def test_errors_in_openai_format(oai, model, gateway_url):
     assert e.value.body["param"] == "model"
     r = httpx.post(f"{gateway_url}/v1/chat/completions", json={"model": model, "messages": QUESTION, "n": 99})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    # OpenAI's fields we cannot honour are refused at any value but their neutral one, by name
+    for field, value in (("store", True), ("service_tier", "flex"), ("reasoning_effort", "high"),
+                         ("modalities", ["text", "audio"])):
+        r = httpx.post(f"{gateway_url}/v1/chat/completions",
+                       json={"model": model, "messages": QUESTION, "max_tokens": 2, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    r = httpx.post(f"{gateway_url}/v1/chat/completions", json={"model": model, "messages": QUESTION, "max_tokens": 2,
+                                                              "store": False, "service_tier": "auto"})
+    assert r.status_code == 200
+    # a prompt that alone fills the context names the prompt (messages, on chat), not max_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=model, prompt=[5] * 200_000, max_tokens=1)
+    assert e.value.body["param"] == "prompt"
 
 
 def test_values_that_overflow_the_wire(oai, model, gateway_url):
