@@ -130,8 +130,8 @@ class EngineThread:
             for req_id in list(self.engine.seqs):    # any with no consumer left: its blocks go back too
                 self.engine.abort(req_id)
         finally:
-            for req_id, why in self.engine.take_failed():   # e.g. a guide the vocabulary cannot follow
-                self._end(req_id, Ended("error", why))
+            for req_id, why, param in self.engine.take_failed():   # e.g. a guide the vocabulary cannot follow
+                self._end(req_id, Ended("error", why, param))
 
     def _deliver_all(self, outputs: list) -> None:
         for out in outputs:

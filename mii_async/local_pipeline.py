@@ -73,6 +73,8 @@ class Pipeline:
         try:
             while True:
                 chunk = await q.get()
+                if state.refusal is not None:
+                    raise state.refusal
                 if chunk is None:
                     continue
                 yield chunk

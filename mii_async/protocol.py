@@ -21,11 +21,11 @@ import msgpack
 
 from .packed import PromptLogprobs, as_prompt_logprobs, pack_ids, unpack
 
-PROTOCOL_VERSION = 6                  # 2: DeltaBatch, StatsQuery.reset_prefix_cache; 3: prompt_logprobs
+PROTOCOL_VERSION = 7                  # 2: DeltaBatch, StatsQuery.reset_prefix_cache; 3: prompt_logprobs
                                       # (StepTokens, Delta): a peer of 2 refuses them as unknown fields;
                                       # 4: prompt_logprobs as packed arrays (PromptLogprobs), not nested lists;
                                       # 5: PromptLogprobs carry each prompt token's rank; 6: so do sampled
-                                      # tokens' logprobs
+                                      # tokens' logprobs; 7: RequestFailed.param
 MAX_FRAME_BYTES = 16 * 2**20          # also the sockets' ZMQ_MAXMSGSIZE
 MAX_ITEMS = 1 << 20                    # longest msgpack array or map, and bin length in ids
 MAX_BATCH_DELTAS = 1 << 14             # Deltas in one DeltaBatch at most (each is checked and built on decode)
@@ -206,9 +206,12 @@ class Heartbeat:
 
 @dataclass
 class RequestFailed:
-    """Replica leader → router: a request ended with an error inside the engine."""
+    """Replica leader → router: a request ended with an error inside the engine. `param`: the request's value
+    at fault, when it can never work (a guide outlines-core refuses): the router refuses the request, naming
+    it, if it has streamed nothing yet."""
     req_id: int
     message: str
+    param: str | None = None
 
 
 @dataclass

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import pytest
 
@@ -257,11 +258,24 @@ def test_engine_is_built_and_stepped_on_its_own_thread(default_model_dir, monkey
 
 def test_guided_choice_and_a_guide_that_cannot_compile(default_pipe):
     """guided_choice through the pipeline answers one of the choices, for each prompt of a call; a regex the
-    replica cannot compile ends that request with finish_reason "error"."""
+    replica can never compile is refused naming guided_regex, called or streamed, with a hint for anchors."""
     answers = default_pipe(["Is Paris in France? Answer:", "x"], max_new_tokens=8, guided_choice=["yes", "no"])
     assert all(r.generated_text in ("yes", "no") and r.finish_reason == "stop" for r in answers)
-    [bad] = default_pipe("x", max_new_tokens=4, guided_regex="a(?=b)")
-    assert bad.finish_reason == "error"
+    with pytest.raises(InvalidParameterError) as e:
+        default_pipe("x", max_new_tokens=4, guided_regex="a(?=b)")
+    assert e.value.param == "guided_regex" and "cannot be compiled" in str(e.value)
+
+    async def stream():
+        async for _ in default_pipe.stream("x", max_new_tokens=4, guided_regex="^(yes|no)$"):
+            pass
+
+    with pytest.raises(InvalidParameterError) as e:
+        asyncio.run(stream())
+    assert e.value.param == "guided_regex" and "leave out the anchors" in str(e.value)
+    assert default_pipe.stats()["used_blocks"] == 0
+    # the dialect is outlines-core's: an escape Python's re does not know is fine
+    [word] = default_pipe("The capital of France is", max_new_tokens=8, guided_regex=r" \p{Lu}\p{Ll}+\.")
+    assert re.fullmatch(r" [A-Z][a-z]+\.", word.generated_text) and word.finish_reason == "stop", word
 
 
 def test_guides_in_a_script_without_a_main_guard(default_model_dir, tmp_path):

@@ -150,7 +150,7 @@ class Engine:
         self._inflight: _InFlight | None = None
         self.guided: GuidedRequests | None = None      # made at the first guided request
         self._arrivals = itertools.count()             # Sequence.arrival: the waiting queue's order
-        self.failed: list[tuple[int, str]] = []        # (req_id, why) of requests ended here: `take_failed`
+        self.failed: list[tuple[int, str, str | None]] = []   # (req_id, why, param): `take_failed`
         # What exists now (the model, its modules, the tokenizer, the process's imports) lives as long as the
         # engine: moved out of the collector's generations, so that a full collection during serving does not
         # walk it (one took 284 ms, a whole step, in the H200 mixed load).
@@ -194,9 +194,10 @@ class Engine:
         if self.guided is not None:
             self.guided.close()
 
-    def take_failed(self) -> list[tuple[int, str]]:
-        """The requests the engine ended with an error since the last call (a guide that cannot be compiled):
-        the caller tells their clients."""
+    def take_failed(self) -> list[tuple[int, str, str | None]]:
+        """The requests the engine ended with an error since the last call (a guide that cannot be compiled),
+        each with the parameter at fault when the caller's value can never work (the caller refuses the
+        request, naming it): the caller tells their clients."""
         failed, self.failed = self.failed, []
         return failed
 
@@ -204,9 +205,9 @@ class Engine:
         admitted, failed = self.guided.ready()       # type: ignore[union-attr]
         for seq in admitted:
             self.scheduler.add(seq)
-        for seq, why in failed:
+        for seq, why, param in failed:
             del self.seqs[seq.req_id]
-            self.failed.append((seq.req_id, why))
+            self.failed.append((seq.req_id, why, param))
         if not admitted and not self.scheduler.has_work() and self._inflight is None:
             self.guided.wait(0.01)                     # type: ignore[union-attr] - nothing else to do: no spin
 

@@ -100,7 +100,9 @@ def main(argv: list[str]) -> int:
         except MemoryError:
             send(FAILED, f"its automaton needs more than {memory_bytes / 2**30:g} GiB".encode())
         except Exception as exc:  # noqa: BLE001 - outlines-core's own error types
-            send(FAILED, f"the guide cannot be compiled for this model's vocabulary: {exc}".encode())
+            hint = ("; the whole output matches the regex, so leave out the anchors ^, $, \\A and \\z"
+                    if "anchored" in str(exc) else "")
+            send(FAILED, f"the guide cannot be compiled for this model's vocabulary: {exc}{hint}".encode())
         else:
             send(INDEX, payload)
             del payload

@@ -88,9 +88,10 @@ class GuidedRequests:
         self.compiler.release(entry[1])     # a compile that nobody waits for any more is skipped
         return True
 
-    def ready(self) -> tuple[list[Any], list[tuple[Any, str]]]:
+    def ready(self) -> tuple[list[Any], list[tuple[Any, str, str | None]]]:
         """The held sequences whose automaton is ready, each with its guide set, in arrival order; and those
-        whose compile failed, with the reason. Both leave the hold."""
+        whose compile failed, with the reason and, where the same guide would always fail (outlines-core
+        refuses the regex, or its automaton outgrows the limits), the guide's field. Both leave the hold."""
         admitted, failed = [], []
         for req_id, (seq, fut) in list(self.pending.items()):
             if not fut.done():
@@ -98,7 +99,7 @@ class GuidedRequests:
             del self.pending[req_id]
             self.compiler.release(fut)
             if (exc := fut.exception()) is not None:
-                failed.append((seq, str(exc)))
+                failed.append((seq, str(exc), seq.params.guide[0] if getattr(exc, "lasting", False) else None))
             else:
                 seq.guide = RequestGuide(*fut.result())
                 admitted.append(seq)

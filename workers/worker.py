@@ -178,8 +178,8 @@ class Worker:
                 self.sock.send(P.RequestFailed(req_id, f"engine step failed: {type(exc).__name__}: {exc}"))
             return
         finally:
-            for req_id, why in eng.take_failed():     # e.g. a guide this model's vocabulary cannot follow
-                self.sock.send(P.RequestFailed(req_id, why))
+            for req_id, why, param in eng.take_failed():     # e.g. a guide this model's vocabulary cannot follow
+                self.sock.send(P.RequestFailed(req_id, why, param))
         now = time.monotonic()
         if now - self._stats_at > STATS_REFRESH_S:    # for the heartbeats; not worth doing every step
             self.stats, self._stats_at = eng.stats(), now

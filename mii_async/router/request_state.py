@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from ..errors import InvalidParameterError
 from ..outputs import Logprob, Response, StreamChunk, Usage
 from ..params import SamplingParams
 from ..protocol import PromptLogprobs
@@ -26,9 +27,12 @@ from .detokenizer import IncrementalDetokenizer
 
 
 class Ended(NamedTuple):
-    """The engine ended a request without a token: "abort" or "error"."""
+    """The engine ended a request without a token: "abort" or "error". `param`: an error that is the
+    caller's value, named (a guide the model's vocabulary cannot follow), which refuses a request that has
+    sent nothing yet."""
     reason: str
     error: str | None = None
+    param: str | None = None
 
 
 class RequestState:
@@ -55,6 +59,9 @@ class RequestState:
         self.needs_abort = False          # set when a stop string ended the request before the engine did
         self.cached_tokens = 0
         self._started = False             # a chunk went out (the first one carries the prompt's ids)
+        # An Ended with a param before any chunk: the request is refused, as a bad value is at submission;
+        # its owner raises this (the router sends it as an ErrorReply) instead of streaming the error chunk.
+        self.refusal: InvalidParameterError | None = None
 
     @property
     def finished(self) -> bool:
@@ -65,6 +72,8 @@ class RequestState:
         if self.finished:
             return None
         if isinstance(ev, Ended):
+            if ev.param is not None and not self._started:
+                self.refusal = InvalidParameterError(ev.param, ev.error or "refused")
             text = self._detok.flush()
             self.finish_reason, self.error = ev.reason, ev.error
             return self._chunk(text, [], None)
@@ -107,6 +116,8 @@ class RequestState:
 
     def response(self) -> Response:
         assert self.finished, "response() before the request finished"
+        if self.refusal is not None:
+            raise self.refusal
         assert self.keep_logprobs or (self.params.logprobs is None and self.params.prompt_logprobs is None), \
             "response() with logprobs needs RequestState(keep_logprobs=True)"
         text = self._detok.text

@@ -334,14 +334,18 @@ class Router:
         self.forget(live)
         if live.state is None:                      # still tokenizing: _admit will see it gone
             if ev.reason == "error":
-                await self.clients.send(live.peer, P.ErrorReply(live.creq, "generation_failed", ev.error or "error"))
+                code = "generation_failed" if ev.param is None else "invalid_parameter"
+                await self.clients.send(live.peer, P.ErrorReply(live.creq, code, ev.error or "error", ev.param))
             else:
                 await self.clients.send(live.peer, P.Delta(live.creq, "", [], None, "abort", None, ev.error))
             return
         if tell_replica and live.replica is not None and live.replica.state == "ready":
             await self.workers_sock.send(live.replica.leader, P.AbortRequest(live.rid))
         chunk = live.state.on_event(ev)
-        if chunk is not None:
+        if (refusal := live.state.refusal) is not None:   # nothing streamed yet: refused, as at submission
+            await self.clients.send(live.peer,
+                                    P.ErrorReply(live.creq, "invalid_parameter", str(refusal), refusal.param))
+        elif chunk is not None:
             await self.send_chunk(live, chunk)
 
     def forget(self, live: _Live) -> None:

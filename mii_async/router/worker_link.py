@@ -134,7 +134,7 @@ class WorkerLink:
             live = r.live.get(msg.req_id)
             if live is not None and self._from_replica(peer, live):
                 r.counters["failed"] += 1
-                await r.end(live, Ended("error", msg.message), tell_replica=False)
+                await r.end(live, Ended("error", msg.message, msg.param), tell_replica=False)
         elif isinstance(msg, P.StatsReport):
             r.stats_queries.on_report(msg)
         elif isinstance(msg, P.Hello):

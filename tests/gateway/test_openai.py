@@ -5,6 +5,8 @@ import httpx
 import openai
 import pytest
 
+import mii_async
+
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -141,8 +143,14 @@ def test_response_format_guides_the_answer(oai, model, deployment, gateway_url):
     r = oai.completions.create(model=model, prompt="Pick:", max_tokens=4, temperature=0,
                                extra_body={"guided_choice": ["red", "green"]})
     assert r.choices[0].text in ("red", "green")
-    [failed] = deployment(["x"], max_new_tokens=4, guided_regex="a(?=b)")
-    assert failed.finish_reason == "error"
+    # a regex the replica can never compile (a lookahead; anchors) is a 400 naming it, streamed or not
+    with pytest.raises(mii_async.InvalidParameterError) as e:
+        deployment(["x"], max_new_tokens=4, guided_regex="a(?=b)")
+    assert e.value.param == "guided_regex"
+    for stream in (False, True):
+        r = httpx.post(f"{gateway_url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 4,
+                                                               "guided_regex": "^(yes|no)$", "stream": stream})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex", r.text
 
 
 def test_errors_in_openai_format(oai, model, gateway_url):

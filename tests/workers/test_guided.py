@@ -178,7 +178,7 @@ def test_abort_while_compiling_and_a_guide_that_cannot_compile(engine):
         for o in engine.step():
             done.setdefault(o.req_id, []).append(o.token_id)
         failed += engine.take_failed()
-    assert [r for r, _ in failed] == [2] and "cannot be compiled" in failed[0][1]
+    assert [(r, p) for r, _, p in failed] == [(2, "guided_regex")] and "cannot be compiled" in failed[0][1]
     assert len(done[3]) == 4 and 2 not in done and not engine.seqs
     assert engine.block_manager.num_free == engine.num_blocks
 
