@@ -148,8 +148,10 @@ class Pipeline:
     def _prepare(self, prompt: Prompt, params: SamplingParams, keep_logprobs: bool = False) -> RequestState:
         """Tokenizes a text, a list of token ids or chat messages; validation errors name `prompt`.
         `keep_logprobs`: the state gathers the logprobs for response() (a stream's chunks carry them alone)."""
-        text, ids = self._encoder.encode(prompt)
+        _, ids = self._encoder.encode(prompt)
         self._engine.engine.check_request(ids, params)
+        # return_full_text prepends a text prompt only, as the mesh client does (not a chat's rendered template)
+        text = prompt if isinstance(prompt, str) else None
         return RequestState(self.tokenizer, text, ids, params, keep_logprobs=keep_logprobs,
                             decode_prompt_logprobs=True)        # the chunks carry Logprob objects
 

@@ -72,6 +72,12 @@ def test_remote_equals_local_pipeline(deployment, default_pipe):
         for a, b in zip(r.logprobs, l.logprobs):
             assert abs(a.logprob - b.logprob) < 1e-4 and [t for t, _ in a.top] == [t for t, _ in b.top]
             assert a.rank == b.rank == 1                  # greedy: each token the most likely
+    # return_full_text: a text prompt goes before the answer, a chat's messages do not (on both sides)
+    for prompt in ("The capital of France is", QUESTION):
+        [plain] = default_pipe([prompt], max_new_tokens=4)
+        [r] = deployment([prompt], max_new_tokens=4, return_full_text=True)
+        [l] = default_pipe([prompt], max_new_tokens=4, return_full_text=True)
+        assert r.generated_text == l.generated_text == (prompt if isinstance(prompt, str) else "") + plain.generated_text
 
 
 def test_leaving_the_loop_early_frees_kv(deployment):
