@@ -28,6 +28,17 @@ def make_engine(path: Path, **options):
     return Engine(EngineConfig.from_kwargs(str(path), **options))
 
 
+def three_decoding(engine, rng) -> None:
+    """Three requests (50, 120 and 190 random prompt tokens) brought to decoding, with no id in flight: the
+    next plan holds their three decodes (the bf16 logits tests compare a captured run of it with eager)."""
+    for rid in range(3):
+        engine.add_request(rid, [rng.randrange(3, 320) for _ in range(50 + 70 * rid)],
+                           SamplingParams(max_new_tokens=4, ignore_eos=True))
+    while any(len(s.output_ids) == s.num_pending for s in engine.seqs.values()):
+        engine.step()
+    engine.flush()                                    # no placeholder ids left: the plan runs on its own
+
+
 def run_engine(engine, prompts: list[list[int]], **params) -> list[list[int]]:
     """Submits every prompt at once and steps until all finish; returns each one's output ids."""
     sp = SamplingParams(**params)

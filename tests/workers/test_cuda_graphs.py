@@ -8,7 +8,7 @@ import torch
 
 import mii_async
 
-from .helpers import head_dim_model as _model, make_engine, run_engine
+from .helpers import head_dim_model as _model, make_engine, run_engine, three_decoding
 
 pytestmark = pytest.mark.gpu
 
@@ -47,13 +47,7 @@ def test_graph_logits_match_eager_in_bf16(tmp_path):
     """The logits a graph replay gives equal the eager step's (bf16, the CuPy kernels)."""
     path = _model(tmp_path, 512, 4, 1, 2048)
     engine = make_engine(path, device="cuda", dtype="bfloat16", num_blocks=512, kernels="cuda", max_num_seqs=4)
-    rng = random.Random(3)
-    for rid in range(3):
-        engine.add_request(rid, [rng.randrange(3, 320) for _ in range(50 + 70 * rid)],
-                           mii_async.SamplingParams(max_new_tokens=4, ignore_eos=True))
-    while any(len(s.output_ids) == s.num_pending for s in engine.seqs.values()):
-        engine.step()
-    engine.flush()                                    # no placeholder ids left: the plan runs on its own
+    three_decoding(engine, random.Random(3))
     plan = engine.scheduler.schedule()
     assert plan.num_decodes == 3
     graphed = engine.runner.execute(plan).clone()

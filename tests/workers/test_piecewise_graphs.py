@@ -10,7 +10,7 @@ import torch
 
 import mii_async
 
-from .helpers import head_dim_model, make_engine, run_engine
+from .helpers import head_dim_model, make_engine, run_engine, three_decoding
 
 
 def test_token_buckets():
@@ -169,12 +169,7 @@ def test_captured_piece_logits_match_eager_in_bf16(tmp_path):
     engine = make_engine(path, device="cuda", dtype="bfloat16", num_blocks=512, kernels="cuda", max_num_seqs=4,
                          step_token_multiple=1)        # the plan as asked, not cut to 320 tokens
     rng = random.Random(3)
-    for rid in range(3):
-        engine.add_request(rid, [rng.randrange(3, 320) for _ in range(50 + 70 * rid)],
-                           mii_async.SamplingParams(max_new_tokens=4, ignore_eos=True))
-    while any(len(s.output_ids) == s.num_pending for s in engine.seqs.values()):
-        engine.step()
-    engine.flush()
+    three_decoding(engine, rng)
     engine.add_request(9, [rng.randrange(3, 320) for _ in range(333)], mii_async.SamplingParams(max_new_tokens=2))
     plan = engine.scheduler.schedule()
     assert plan.num_decodes == 3 and plan.num_tokens == 336
