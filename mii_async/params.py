@@ -26,11 +26,12 @@ GREEDY_BELOW = 1e-5      # a temperature under this is greedy
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """One request's generation settings. Greedy unless `temperature` > 0 (and `do_sample` is not False)."""
+    """One request's generation settings. Greedy unless `temperature` ≥ GREEDY_BELOW (and `do_sample` is not
+    False)."""
 
     max_new_tokens: int = 128          # upper bound on generated tokens (finish_reason "length")
-    min_new_tokens: int = 0            # EOS and stop ids are masked until this many tokens exist
-    temperature: float = 0.0           # 0 means greedy
+    min_new_tokens: int = 0            # EOS and stop ids are masked, stop strings not matched, until this many exist
+    temperature: float = 0.0           # under GREEDY_BELOW (1e-5) means greedy
     top_p: float = 1.0                 # nucleus mass in (0, 1]
     top_k: int = 0                     # 0 (or -1) disables
     min_p: float = 0.0                 # drop tokens below min_p * p(max token)

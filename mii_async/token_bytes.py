@@ -31,6 +31,13 @@ class TokenSpeller:
         self.added = self.tk.get_added_tokens_decoder()
         self.dec = _byte_decoder() if "ByteLevel" in repr(self.tk.decoder) else {}
 
+    @classmethod
+    def of(cls, tokenizer: Any) -> TokenSpeller | None:
+        """A speller for `tokenizer`, or None where it has no `tokenizers` backend (a slow tokenizer)."""
+        tk = getattr(tokenizer, "backend_tokenizer", tokenizer)
+        ok = all(hasattr(tk, a) for a in ("get_added_tokens_decoder", "id_to_token", "decoder"))
+        return cls(tokenizer) if ok else None
+
     def spell(self, token_id: int, tok: str | None = None) -> bytes:
         """The bytes of `token_id` (b"" for an id outside the vocabulary); `tok`: its vocabulary entry, if
         known already."""

@@ -50,12 +50,17 @@ def check_json_text(raw: bytes | str, parsed: Any = None) -> None:
     given, saves parsing it again); the path starts at the body's own fields (`prompt`, `messages[0].content`).
     Text that is not JSON passes: its parser reports it."""
     data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
-    if not _MAYBE.search(data):
+    # json.loads also reads UTF-16 and UTF-32 bodies, where the pattern means nothing: those are walked always
+    if not _MAYBE.search(data) and (isinstance(raw, str) or json.detect_encoding(data) == "utf-8"):
         return
     if parsed is None:
         try:
             parsed = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):   # not JSON, or nested past the parser: its parser reports it
             return
-    if bad := lone_surrogate(parsed, ""):
+    try:
+        bad = lone_surrogate(parsed, "")
+    except RecursionError:
+        raise InvalidParameterError("body", "is nested too deeply") from None
+    if bad:
         raise InvalidParameterError(bad[0].lstrip(".") or "body", bad[1])

@@ -195,9 +195,8 @@ class Engine:
             self.guided.close()
 
     def take_failed(self) -> list[tuple[int, str, str | None]]:
-        """The requests the engine ended with an error since the last call (a guide that cannot be compiled),
-        each with the parameter at fault when the caller's value can never work (the caller refuses the
-        request, naming it): the caller tells their clients."""
+        """(req_id, why, param) of the requests ended with an error since the last call (a guide that cannot
+        be compiled); `param` names a value of the caller's that can never work, which refuses the request."""
         failed, self.failed = self.failed, []
         return failed
 

@@ -22,16 +22,18 @@ _STARLETTE_CODES = {404: ("not_found_error", "not_found"), 405: ("invalid_reques
 
 # A step of pydantic's error location that names a member of a union (`str`, `list[str]`,
 # `function-after[...]`), not a field of the request.
-_UNION_MEMBER = re.compile(r"^(str|int|float|bool|bytes|list|dict|tuple|set|none|any)$|[\[\]-]")
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|bytes|list|dict|tuple|set|none|any)$|^[a-z-]+\[.*\]$")
 
 
-def param_name(loc) -> str | None:
-    """pydantic's location of an error → the parameter as the caller wrote it: `messages[0].content`."""
+def param_name(loc, keep_last: bool = False) -> str | None:
+    """pydantic's location of an error → the parameter as the caller wrote it: `messages[0].content`.
+    `keep_last`: the last step is a field the caller sent (an unknown one), whatever it looks like."""
+    steps = list(loc[1:] if loc and loc[0] == "body" else loc)
     out = ""
-    for x in loc[1:] if loc and loc[0] == "body" else loc:
+    for i, x in enumerate(steps):
         if isinstance(x, int):
             out += f"[{x}]"
-        elif not _UNION_MEMBER.search(str(x)):
+        elif not _UNION_MEMBER.search(str(x)) or (keep_last and i == len(steps) - 1):
             out += f".{x}" if out else str(x)
     return out or None
 
@@ -64,7 +66,7 @@ def create_app(state: GatewayState) -> FastAPI:
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         state.metrics.refused(request.url.path, "invalid_parameter")
         err = exc.errors()[0] if exc.errors() else {}
-        param = param_name(err.get("loc", ()))
+        param = param_name(err.get("loc", ()), keep_last=err.get("type") == "extra_forbidden")
         if err.get("type") == "extra_forbidden":
             message = f"Unrecognized request argument supplied: {param}"
         elif err.get("type") == "json_invalid":

@@ -84,14 +84,24 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         jobs, tools = await chat_plan(body, s)
     except MIIAsyncError as exc:
         raise from_exception(exc, CHAT_RENAME) from None
-    return await _answer(s, request, "chat", jobs, body, chat=True, tools=tools)
+    return await _answer(s, request, "chat", jobs, body, chat=True, tools=tools, rename=_chat_rename(body, tools))
+
+
+def _chat_rename(body: ChatCompletionRequest, tools: ToolMode | None) -> dict[str, str]:
+    """Our names → the chat request's: a guide the replica refuses is named as the caller gave it."""
+    rename = dict(CHAT_RENAME)
+    if isinstance(body.response_format, dict) and body.response_format.get("type") in ("json_object", "json_schema"):
+        rename["guided_json"] = "response_format"
+    elif tools is not None and tools.guided_json() is not None:
+        rename["guided_json"] = "tools"
+    return rename
 
 
 async def _answer(s: GatewayState, request: Request, api: str, jobs: list[Job], body: Any, chat: bool,
-                  tools: ToolMode | None = None):
+                  tools: ToolMode | None = None, rename: dict[str, str] | None = None):
     meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": s.model_name}
-    rename = CHAT_RENAME if chat else RENAME
+    rename = rename or (CHAT_RENAME if chat else RENAME)
     try:
         opened = await until_disconnect(request, open_streams(s, api, jobs))
     except MIIAsyncError as exc:
@@ -100,7 +110,7 @@ async def _answer(s: GatewayState, request: Request, api: str, jobs: list[Job], 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         continuous = include_usage and bool(body.stream_options.continuous_usage_stats)
         return EventStream(_events(s, opened, meta, chat, include_usage, bool(getattr(body, "echo", False)),
-                                   None if chat else body.logprobs, tools, continuous))
+                                   None if chat else body.logprobs, tools, continuous, rename))
     try:
         chunks = await until_disconnect(request, collect(opened))
     except MIIAsyncError as exc:
@@ -148,7 +158,7 @@ async def _answer(s: GatewayState, request: Request, api: str, jobs: list[Job], 
 
 async def _events(s: GatewayState, opened: list[Opened], meta: dict, chat: bool, include_usage: bool,
                   echo: bool, echo_logprobs: int | None, tools: ToolMode | None = None,
-                  continuous: bool = False) -> AsyncIterator[str]:
+                  continuous: bool = False, rename: dict[str, str] = RENAME) -> AsyncIterator[str]:
     """`continuous` (vLLM's stream_options.continuous_usage_stats): every chunk carries the usage so far."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     extra = {"usage": None} if include_usage else {}
@@ -177,12 +187,12 @@ async def _events(s: GatewayState, opened: list[Opened], meta: dict, chat: bool,
         async for job, c in items:
             if isinstance(c, Exception):
                 usage.failed(job)
-                yield _error_event(c, chat)
+                yield _error_event(c, rename)
                 continue
             usage.saw(job, c)
             if c.finish_reason == "error":
                 usage.failed(job)
-                yield _error_event(GenerationError(c.error or "generation failed"), chat)
+                yield _error_event(GenerationError(c.error or "generation failed"), rename)
                 continue
             want_lp = job.params.get("logprobs") is not None and c.logprobs
             if answers:
@@ -205,8 +215,8 @@ async def _events(s: GatewayState, opened: list[Opened], meta: dict, chat: bool,
     yield DONE
 
 
-def _error_event(exc: Exception, chat: bool) -> str:
-    return event(from_exception(exc, CHAT_RENAME if chat else RENAME).body())
+def _error_event(exc: Exception, rename: dict[str, str]) -> str:
+    return event(from_exception(exc, rename).body())
 
 
 class _Usage:

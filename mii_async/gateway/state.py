@@ -141,12 +141,12 @@ class GatewayState:
         part of a character, which its text shows as U+FFFD. Cached as token_text is."""
         b = self._bytes.get(token_id)
         if b is None:
-            if self.tokenizer is None:
-                return self.token_text(token_id).encode()
             if self._speller is None:
                 from ..token_bytes import TokenSpeller
 
-                self._speller = TokenSpeller(self.tokenizer)
+                self._speller = TokenSpeller.of(self.tokenizer) or False
+            if not self._speller:      # no tokenizer, or a slow one without the `tokenizers` backend: its text
+                return self.token_text(token_id).encode()
             if len(self._bytes) >= MAX_CACHED_TEXTS:
                 self._bytes.clear()
             b = self._bytes[token_id] = self._speller.spell(token_id)

@@ -167,25 +167,26 @@ class IncrementalDetokenizer:
     def _emit(self, new_text: str) -> Delta:
         """Append decoded text behind the held text; emit what can no longer become part of a stop string."""
         pending = self._held + new_text
-        if not self._stop or self._generated < self._min_new_tokens:
+        if not self._stop:
             self._held = ""
             return self._delta(pending)
-
-        # Every earlier push found no complete match and held back any suffix that could start one, so a match
-        # lies wholly in `pending`. Take the match that completes first, as if the text arrived a character at
-        # a time, so the result is the same however the ids are batched into pushes; among matches completing
-        # at the same character, the one starting earliest ("\n\nUser:" over "User:").
-        best: tuple[int, int, str] | None = None  # (end, start, stop string)
-        for s in self._stop:
-            start = pending.find(s)
-            if start >= 0 and (best is None or (start + len(s), start) < best[:2]):
-                best = (start + len(s), start, s)
-        if best is not None:
-            end, start, s = best
-            self._held = ""
-            self._stopped = self._finished = True
-            return self._delta(pending[:end] if self._include_stop else pending[:start], s)
-
+        if self._generated >= self._min_new_tokens:
+            # Every earlier push found no complete match and held back any suffix that could start one, so a
+            # match lies wholly in `pending`. Take the match that completes first, as if the text arrived a
+            # character at a time, so the result is the same however the ids are batched into pushes; among
+            # matches completing at the same character, the one starting earliest ("\n\nUser:" over "User:").
+            best: tuple[int, int, str] | None = None  # (end, start, stop string)
+            for s in self._stop:
+                start = pending.find(s)
+                if start >= 0 and (best is None or (start + len(s), start) < best[:2]):
+                    best = (start + len(s), start, s)
+            if best is not None:
+                end, start, s = best
+                self._held = ""
+                self._stopped = self._finished = True
+                return self._delta(pending[:end] if self._include_stop else pending[:start], s)
+        # (before min_new_tokens no match is taken, but a suffix that may start one is held all the same: a
+        # stop string that starts before the threshold and ends after it stops the request, as in vLLM)
         keep = self._partial_stop_len(pending)
         self._held = pending[len(pending) - keep:] if keep else ""
         return self._delta(pending[:len(pending) - keep])

@@ -133,7 +133,7 @@ class WorkerLink:
         elif isinstance(msg, P.RequestFailed):
             live = r.live.get(msg.req_id)
             if live is not None and self._from_replica(peer, live):
-                r.counters["failed"] += 1
+                r.counters["failed" if msg.param is None else "rejected"] += 1   # a caller's value: refused
                 await r.end(live, Ended("error", msg.message, msg.param), tell_replica=False)
         elif isinstance(msg, P.StatsReport):
             r.stats_queries.on_report(msg)

@@ -16,6 +16,8 @@ def _post(url: str, path: str, body: str) -> httpx.Response:
 
 
 def test_http_bodies_name_the_field(gateway_url, model):
+    """Each route's body, any field (prompt, a stop string, model, a message, a /generate prompt, /tokenize):
+    a 400 whose param is the field as sent; a UTF-16 body and an escaped pair (one character) as expected."""
     cases = [
         ("/v1/completions", f'{{"model": "{model}", "prompt": "Hi {LONE}", "max_tokens": 2}}', "prompt"),
         ("/v1/completions", f'{{"model": "{model}", "prompt": "Hi", "stop": ["a", "{LONE}"], "max_tokens": 2}}',
@@ -32,6 +34,10 @@ def test_http_bodies_name_the_field(gateway_url, model):
         assert r.status_code == 400, (path, r.status_code, r.text)
         err = r.json()["error"]
         assert err["param"] == param and "lone surrogate U+D800" in err["message"], (path, err)
+    # a UTF-16 body (json.loads reads it; the UTF-8 pattern means nothing there) is walked too
+    r = httpx.post(gateway_url + "/v1/completions", timeout=60, headers={"content-type": "application/json"},
+                   content=f'{{"model": "{model}\ud800", "prompt": "x"}}'.encode("utf-16", "surrogatepass"))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
     # an escaped surrogate pair is one character, not an error
     r = _post(gateway_url, "/v1/completions",
               f'{{"model": "{model}", "prompt": "\\ud83d\\ude00 The capital of France is", "max_tokens": 2}}')
@@ -39,6 +45,8 @@ def test_http_bodies_name_the_field(gateway_url, model):
 
 
 def test_websocket_frame_is_refused_and_the_connection_stays(gateway_url):
+    """A bad id gets an error frame with id null, a bad prompt one naming prompt; the request beside them
+    streams on to its end."""
     async def main():
         async with connect(gateway_url.replace("http://", "ws://") + "/v1/ws") as ws:
             await ws.recv()                                            # hello

@@ -192,6 +192,11 @@ def test_stop_strings_wait_for_min_new_tokens(tok):
     detok = IncrementalDetokenizer(tok, [], stop=["Tom"], min_new_tokens=reach + 1)
     deltas, rest = run(detok, one_by_one(ids))
     assert not any(d.stopped for d in deltas) and detok.text == text
+    # a stop string that starts before the threshold and ends after it stops the request
+    dot = next(n for n in range(1, len(ids) + 1) if full_decode(tok, ids[:n]).endswith("home."))
+    detok = IncrementalDetokenizer(tok, [], stop=["home. Then"], min_new_tokens=dot)
+    deltas, _ = run(detok, one_by_one(ids))
+    assert deltas[-1].stopped and detok.text == "Tom went "
 
 
 def test_partial_stop_string_is_held_then_released(tok):
