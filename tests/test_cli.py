@@ -88,10 +88,14 @@ def test_serve_with_a_joining_worker_over_curve(default_model_dir, tmp_path):
 
 
 def test_serve_starts_the_gateway_and_stops_it(default_model_dir):
-    """`mii-async serve` starts the gateway (chat page, OpenAI API); it answers; SIGINT stops the router, the
-    worker and the gateway, leaving no process behind."""
+    """`mii-async serve` starts the gateway (chat page, OpenAI API); it answers; Ctrl-C in its terminal
+    (SIGINT to the whole process group) drains: a stream in flight runs to its end, then the router, the
+    worker and the gateway stop, leaving no process behind."""
+    import json
+    import os
     import re
     import signal
+    import threading
 
     import httpx
 
@@ -100,7 +104,7 @@ def test_serve_starts_the_gateway_and_stops_it(default_model_dir):
     serve = subprocess.Popen([sys.executable, "-m", "mii_async", "serve", str(default_model_dir), "--port", "0",
                               "--http-port", "0", "--kv-cache-memory", "0.1", "--max-num-seqs", "8",
                               "--max-batch-tokens", "256", "--max-mixed-batch-tokens", "64"],
-                             stdout=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)   # a terminal's group
     try:
         assert serve.stdout.readline().startswith("mii-async: serving")
         line = serve.stdout.readline()
@@ -117,8 +121,23 @@ def test_serve_starts_the_gateway_and_stops_it(default_model_dir):
         children = [int(p) for p in subprocess.run(["pgrep", "-P", str(serve.pid)], capture_output=True,
                                                    text=True).stdout.split()]
         assert len(children) == 2                     # the worker and the gateway
-        serve.send_signal(signal.SIGINT)
+        started, events = threading.Event(), []
+
+        def stream():
+            with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                    "prompt": "Tell me a story.", "max_tokens": 40, "ignore_eos": True, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        events.append(json.loads(line[6:]))
+                        started.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert started.wait(60)
+        os.killpg(serve.pid, signal.SIGINT)           # every process of the group, as Ctrl-C does
+        t.join(60)
         assert serve.wait(timeout=60) == 0
+        assert events[-1]["choices"][0]["finish_reason"] == "length", events[-1]   # drained, not failed
         assert not wait_gone(children)
     finally:
         if serve.poll() is None:

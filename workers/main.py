@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         die_with_parent()
         watch_lifeline(args.lifeline_fd, lambda: os._exit(0))
     worker = Worker(args.router, args.replica, args.rank, args.curve_dir, args.cache_dir)
-    install_signal_handlers(worker)
+    install_signal_handlers(worker, supervised=args.lifeline_fd is not None)
     return worker.run()
 
 

@@ -264,6 +264,13 @@ def _pick_device(config: EngineConfig, device_index: int) -> EngineConfig:
     return config
 
 
-def install_signal_handlers(worker: Worker) -> None:
-    signal.signal(signal.SIGTERM, worker.request_stop)
-    signal.signal(signal.SIGINT, worker.request_stop)
+def install_signal_handlers(worker: Worker, supervised: bool = False) -> None:
+    """SIGTERM and SIGINT stop a worker started by hand. One the router started (`supervised`: it has a
+    lifeline) leaves them to the router: a terminal's Ctrl-C, or systemd stopping the unit, signals the
+    whole group at once, and the router drains its requests before it tells the workers to stop. The
+    lifeline still ends the worker when the router is gone."""
+    def ignore(signum: int, _: Any) -> None:
+        log.info("%s: the router drives this worker's shutdown", signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, ignore if supervised else worker.request_stop)
