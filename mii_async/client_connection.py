@@ -37,6 +37,8 @@ class Connection:
         self.queries: dict[str, asyncio.Future] = {}
         self.last_heard = time.monotonic()
         self.busy_since = time.monotonic()
+        self.boot: str | None = None       # the router's life, from its pings' answers (router.boot)
+        self._pings = itertools.count()
         self._bg: set[asyncio.Task] = set()
         self.tasks = [loop.create_task(self._read()), loop.create_task(self._ping())]
 
@@ -46,6 +48,8 @@ class Connection:
     def start_request(self) -> None:
         if not self.outstanding():
             self.busy_since = time.monotonic()
+        if self.boot is None:                  # learn the router's life before it could end
+            self.send_later(self._ping_query())
 
     def send_later(self, msg: P.Message) -> None:
         """Sends from code that must not await (a `finally` during cancellation)."""
@@ -71,12 +75,24 @@ class Connection:
                 fut = self.queries.pop(msg.req_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg.result)
+                elif msg.req_id.startswith("ping-") and isinstance(boot := msg.result.get("boot"), str):
+                    self._on_boot(boot)
             elif isinstance(msg, P.ErrorReply) and msg.req_id is None:
                 log.warning("router: %s: %s", msg.code, msg.message)
 
+    def _ping_query(self) -> P.Query:
+        return P.Query(f"ping-{next(self._pings)}", "ping")
+
+    def _on_boot(self, boot: str) -> None:
+        """A router that answers with another life than the one this connection knew restarted (a crash, then
+        a new router on the same address): it never heard of the requests in flight, which would wait
+        forever on a router that answers pings."""
+        if self.boot is not None and boot != self.boot:
+            self.fail_all(f"the router at {self.client.address} restarted: the requests in flight were lost")
+        self.boot = boot
+
     async def _ping(self) -> None:
         c = self.client
-        n = itertools.count()
         pending: asyncio.Task | None = None
         while True:
             await asyncio.sleep(c.ping_s)
@@ -86,7 +102,7 @@ class Connection:
                 self.fail_all(f"the router at {c.address} has not answered for {c.timeout_s:.0f} s")
                 continue
             if pending is None or pending.done():     # a send blocks while no connection is up
-                pending = self.loop.create_task(self.sock.send(P.Query(f"ping-{next(n)}", "ping")))
+                pending = self.loop.create_task(self.sock.send(self._ping_query()))
 
     def fail_all(self, err: str) -> None:
         for q in self.streams.values():

@@ -189,3 +189,59 @@ def test_a_silent_replica_fails_the_prefix_cache_reset(tiny_model, tmp_path):
     finally:
         client.terminate_server_sync(drain_s=0)
     assert not wait_gone([client._process.pid, *pids]), "processes left behind"
+
+
+def test_a_router_restarted_on_the_same_address_fails_the_requests_it_lost(default_model_dir):
+    """kill -9 of the router mid-stream, and a new one on the same ports: it answers pings but never heard of
+    the stream, which ends with UnavailableError naming the restart (the pings carry the router's life), not a
+    wait without end; the client then serves on the new router."""
+    import socket
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    port, worker_port = free_port(), free_port()
+
+    def start() -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, "-m", "mii_async", "serve", str(default_model_dir), "--no-http",
+                              "--port", str(port), "--worker-port", str(worker_port), "--kv-cache-memory", "0.1"],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert p.stdout.readline().startswith("mii-async: serving")
+        return p
+
+    first = start()
+    second = None
+    client = mii_async.client(f"tcp://127.0.0.1:{port}", timeout_s=60)
+    try:
+        async def main():
+            chunks = []
+
+            async def consume():
+                async for c in client.stream("Tell me a long story.", max_new_tokens=2000, ignore_eos=True):
+                    chunks.append(c)
+
+            task = asyncio.create_task(consume())
+            async def streaming() -> bool:
+                return len(chunks) >= 3
+
+            await until(streaming, 60, "the stream to start")
+            nonlocal second
+            first.kill()
+            first.wait()
+            second = await asyncio.get_running_loop().run_in_executor(None, start)
+            t0 = time.monotonic()
+            with pytest.raises(mii_async.UnavailableError, match="restarted"):
+                await asyncio.wait_for(task, 30)
+            assert time.monotonic() - t0 < 10                # found by the next pings, not the 60 s timeout
+            [r] = await client.generate(["What is the capital of France?"], max_new_tokens=4)
+            return r
+
+        assert asyncio.run(main()).generated_length >= 1
+    finally:
+        client.close()
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(30)
