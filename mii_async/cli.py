@@ -114,7 +114,10 @@ def _serve(a: argparse.Namespace) -> int:
               f"{gw.url.replace('http', 'ws', 1)}/v1/ws{key}", flush=True)
 
     def on_ready(status: dict) -> None:
-        if "error" in status:
+        if "error" in status:                       # one line, as for a bad option (the log has the rest)
+            if not status.get("stopped"):           # a Ctrl-C while it started is no failure
+                failed.append(status["error"])
+            print(f"mii-async: {status['error']}", file=sys.stderr, flush=True)
             return
         print(f"mii-async: serving {status['model']} on {status['address']} "
               f"(workers join at {status['worker_address']})", flush=True)

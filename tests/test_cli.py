@@ -160,3 +160,24 @@ def test_serve_names_a_bad_scheduler_option_before_loading():
     """A bad --max-mixed-batch-tokens exits 2 naming it, before any model loads."""
     out = _cli("serve", "--port", "0", "--no-http", "--max-mixed-batch-tokens", "0")
     assert out.returncode == 2 and "max_mixed_batch_tokens" in out.stderr and "loading" not in out.stderr
+
+
+def test_serve_startup_failures_are_one_line_errors(tmp_path):
+    """A busy --port or --worker-port, a missing model and a directory that is no model: exit 2 with a line
+    naming the problem, no traceback, no process left behind."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = str(s.getsockname()[1])
+        for flag in ("--port", "--worker-port"):
+            other = "--worker-port" if flag == "--port" else "--port"
+            out = _cli("serve", "--no-http", flag, busy, other, "0")
+            assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+            assert f"mii-async: {flag[2:].replace('-', '_')}: cannot listen on" in out.stderr, out.stderr
+    (tmp_path / "notes.txt").write_text("not a model")
+    for model in (str(tmp_path / "nope"), str(tmp_path)):
+        out = _cli("serve", model, "--no-http", "--port", "0")
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert any(line.startswith("mii-async: ") for line in out.stderr.splitlines()), out.stderr

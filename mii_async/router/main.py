@@ -25,11 +25,15 @@ log = logging.getLogger("mii_async.router")
 
 async def run_router(serve: ServeConfig, engine: EngineConfig, on_ready: Callable[[dict], None],
                      lifeline_fd: int | None = None) -> int:
-    from ..errors import error_code
+    from ..errors import MIIAsyncError, error_code
     from .server import Router, _StartupError
 
     loop = asyncio.get_running_loop()
-    router = Router(serve, engine)
+    try:
+        router = Router(serve, engine)
+    except MIIAsyncError as exc:                    # e.g. a port in use: named, before any model loads
+        on_ready({"error": str(exc), "code": error_code(exc), "param": getattr(exc, "param", None)})
+        return 2
 
     def on_signal() -> None:
         if router.state == "draining":
@@ -52,12 +56,19 @@ async def run_router(serve: ServeConfig, engine: EngineConfig, on_ready: Callabl
         await router.shutdown(0.0)
         return 1
     except Exception as exc:  # noqa: BLE001 - report any startup failure (a missing model, a bad port)
-        log.exception("the router could not start")
+        if router.state != "starting":              # a signal stopped it midway: not a failure
+            on_ready({"error": "the router was stopped while starting", "code": "unavailable", "stopped": True})
+            await router.request_shutdown(0.0)
+            return 0
+        if isinstance(exc, MIIAsyncError):          # ours, with a message that says it all
+            log.error("the router could not start: %s", exc)
+        else:
+            log.exception("the router could not start")
         on_ready({"error": f"{exc}", "code": error_code(exc), "param": getattr(exc, "param", None)})
         await router.shutdown(0.0)
         return 1
     if router.state != "ready":                     # a signal or the parent's end came during startup
-        on_ready({"error": "the router was stopped while starting", "code": "unavailable"})
+        on_ready({"error": "the router was stopped while starting", "code": "unavailable", "stopped": True})
         await router.serve_forever()
         return 0
     on_ready({"address": router.address, "worker_address": router.worker_address, "pid": os.getpid(),

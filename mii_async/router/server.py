@@ -60,8 +60,8 @@ class Router:
         self.serve_cfg, self.engine_cfg = serve, engine
         self.ctx = zmq.asyncio.Context()
         self._auth = start_authenticator(self.ctx, serve.curve_dir) if serve.curve_dir else None
-        self.clients = RouterSocket(self.ctx, f"tcp://{serve.host}:{serve.port}", serve.curve_dir)
-        self.workers_sock = RouterSocket(self.ctx, f"tcp://{serve.worker_host}:{serve.worker_port}", serve.curve_dir)
+        self.clients = _bind(self.ctx, "port", serve.host, serve.port, serve.curve_dir)
+        self.workers_sock = _bind(self.ctx, "worker_port", serve.worker_host, serve.worker_port, serve.curve_dir)
         self.address = self.clients.address
         self.worker_address = self.workers_sock.address
         local = self.worker_address.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:")
@@ -357,6 +357,14 @@ class Router:
         if live.replica is not None:
             live.replica.requests.discard(live.rid)
             self.queued_tokens -= live.cost
+
+
+def _bind(ctx: Any, param: str, host: str, port: int, curve_dir: str | None) -> RouterSocket:
+    """A bound ROUTER socket; an address that cannot be bound (in use, not this host's) names its option."""
+    try:
+        return RouterSocket(ctx, f"tcp://{host}:{port}", curve_dir)
+    except zmq.ZMQError as exc:
+        raise InvalidParameterError(param, f"cannot listen on tcp://{host}:{port}: {exc}") from None
 
 
 def _wire_logprob(lp: Any) -> list:
