@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import threading
 from typing import Any
 
 
@@ -97,6 +98,7 @@ def _serve(a: argparse.Namespace) -> int:
             bind(http.http_host, http.http_port).close()
     gateway: list = []
     failed: list[str] = []
+    stopping = threading.Event()
 
     def start_gateway(router_address: str) -> None:
         from .deployment import GatewayProcess
@@ -112,6 +114,8 @@ def _serve(a: argparse.Namespace) -> int:
         key = " (API key required)" if http.api_key else ""
         print(f"mii-async: chat page at {gw.url}/ · OpenAI API at {gw.url}/v1 · WebSocket at "
               f"{gw.url.replace('http', 'ws', 1)}/v1/ws{key}", flush=True)
+        threading.Thread(target=_keep_gateway, args=(gateway, router_address, http, serve, stopping, failed),
+                         name="mii_async-gateway-watch", daemon=True).start()
 
     def on_ready(status: dict) -> None:
         if "error" in status:                       # one line, as for a bad option (the log has the rest)
@@ -130,9 +134,46 @@ def _serve(a: argparse.Namespace) -> int:
     try:
         code = run_uvloop(run_router(serve, engine, on_ready))
     finally:
+        stopping.set()
         for gw in gateway:
             gw.stop(10.0)
     return 2 if failed else code
+
+
+def _keep_gateway(gateway: list, router_address: str, http, serve, stopping: threading.Event,
+                  failed: list[str]) -> None:
+    """Restarts the gateway on its port when it dies (it holds no state: a client of the router); one that
+    keeps dying within 10 s of its start, three times running, stops the deployment (exit 2), so that a
+    supervisor can act."""
+    import dataclasses
+    import os
+    import signal
+    import time
+
+    from .deployment import GatewayProcess
+
+    http = dataclasses.replace(http, http_port=int(gateway[-1].url.rsplit(":", 1)[1]))   # the same URL
+    quick = 0
+    while True:
+        gw, started = gateway[-1], time.monotonic()
+        gw.child.proc.wait()
+        if stopping.is_set():
+            return
+        quick = quick + 1 if time.monotonic() - started < 10 else 1
+        print(f"mii-async: the gateway exited ({gw.child.describe_exit()}); "
+              + ("restarting it" if quick <= 3 else "it keeps failing: stopping"), file=sys.stderr, flush=True)
+        if quick > 3:
+            break
+        time.sleep(1.0)
+        try:
+            gateway.append(GatewayProcess(router_address, http, serve.curve_dir, serve.drain_timeout_s))
+        except Exception as exc:  # noqa: BLE001 - reported, then the deployment stops
+            print(f"mii-async: the gateway could not restart: {exc}", file=sys.stderr, flush=True)
+            break
+        if stopping.is_set():                       # stopped while it restarted: `serve` stops it
+            return
+    failed.append("the gateway failed")
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _gateway(a: argparse.Namespace) -> int:

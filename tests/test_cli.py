@@ -1,8 +1,10 @@
 """The `mii-async` command, run as a real process."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 
 
 def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -92,7 +94,6 @@ def test_serve_starts_the_gateway_and_stops_it(default_model_dir):
     (SIGINT to the whole process group) drains: a stream in flight runs to its end, then the router, the
     worker and the gateway stop, leaving no process behind."""
     import json
-    import os
     import re
     import signal
     import threading
@@ -181,3 +182,47 @@ def test_serve_startup_failures_are_one_line_errors(tmp_path):
         out = _cli("serve", model, "--no-http", "--port", "0")
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
         assert any(line.startswith("mii-async: ") for line in out.stderr.splitlines()), out.stderr
+
+
+def test_serve_restarts_a_gateway_that_dies(default_model_dir):
+    """kill -9 of the gateway: `serve` says so and starts a new one on the same port, which answers; the
+    deployment then stops cleanly."""
+    import re
+    import signal
+
+    import httpx
+
+    from tests.mesh_helpers import wait_gone
+
+    serve = subprocess.Popen([sys.executable, "-m", "mii_async", "serve", str(default_model_dir), "--port", "0",
+                              "--http-port", "0", "--kv-cache-memory", "0.1"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert serve.stdout.readline().startswith("mii-async: serving")
+        url = re.match(r"mii-async: chat page at (http://127\.0\.0\.1:\d+)/ ", serve.stdout.readline()).group(1)
+        first = int(subprocess.run(["pgrep", "-f", "-P", str(serve.pid), "mii_async.gateway"], capture_output=True,
+                                   text=True).stdout.split()[0])
+        os.kill(first, signal.SIGKILL)
+        for line in serve.stderr:
+            if "the gateway exited" in line:
+                assert "restarting it" in line, line
+                break
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "no gateway came back"
+            time.sleep(0.3)
+        children = [int(p) for p in subprocess.run(["pgrep", "-P", str(serve.pid)], capture_output=True,
+                                                   text=True).stdout.split()]
+        assert first not in children and len(children) == 2    # the worker and the new gateway
+        serve.send_signal(signal.SIGINT)
+        assert serve.wait(timeout=60) == 0
+        assert not wait_gone(children)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
