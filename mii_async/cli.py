@@ -64,7 +64,12 @@ def _chat(a: argparse.Namespace) -> int:
             if not line:
                 break
             history.append({"role": "user", "content": line})
-            answer = asyncio.run(_print_stream(pipe, history, params))
+            try:
+                answer = asyncio.run(_print_stream(pipe, history, params))
+            except mii_async.InvalidParameterError as exc:   # e.g. the conversation outgrew the context
+                history.pop()
+                print(f"mii-async: {exc} (that message was not sent; the chat goes on)", file=sys.stderr)
+                continue
             history.append({"role": "assistant", "content": answer})
     return 0
 
@@ -79,7 +84,8 @@ def _serve(a: argparse.Namespace) -> int:
     from .gateway.main import API_KEY_ENV
     from .router.main import run_router, run_uvloop
 
-    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
+    logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
+    os.environ["MII_ASYNC_LOG_LEVEL"] = a.log_level          # the workers and the gateway start with it
     serve, engine = split_serve_kwargs(a.model, dict(
         replicas=a.replicas, tensor_parallel=a.tensor_parallel, host=a.host, port=a.port, worker_host=a.worker_host,
         worker_port=a.worker_port, max_queued_requests=a.max_queued_requests, drain_timeout_s=a.drain_timeout,
@@ -218,7 +224,7 @@ def _worker(a: argparse.Namespace) -> int:
 def _keys(a: argparse.Namespace) -> int:
     from .transport import make_curve_keys
 
-    make_curve_keys(a.dir)
+    make_curve_keys(a.dir, force=a.force)
     print(f"mii-async: CURVE keys written to {a.dir} (server.key*, client.key*, authorized/client.key)")
     return 0
 
@@ -260,8 +266,12 @@ def _serve_parser(sub: Any) -> None:
     _http_args(s)
     s.add_argument("--no-http", action="store_true", help="no gateway: only the router's ZeroMQ socket")
     s.add_argument("--status-json", action="store_true", help="also print the ready status as one JSON line")
-    s.add_argument("--log-level", default="INFO")
+    s.add_argument("--log-level", **LOG_LEVEL)
     s.set_defaults(func=_serve)
+
+
+LOG_LEVEL = dict(default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                 help="for every process of the deployment (default: INFO)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -285,13 +295,14 @@ def main(argv: list[str] | None = None) -> int:
     _http_args(gw)
     gw.add_argument("--curve-dir", default=None)
     gw.add_argument("--tokenizer", default=None, help="the model directory, when the router's is not on this host")
-    gw.add_argument("--log-level", default="INFO")
+    gw.add_argument("--log-level", **LOG_LEVEL)
     gw.set_defaults(func=_gateway)
     from .bench.serving import build_parser as bench_parser
 
     bench_parser(sub.add_parser("bench", help="a serving benchmark: latency, throughput, goodput, plots"))
     k = sub.add_parser("keys", help="make CURVE key pairs for a deployment that leaves loopback")
     k.add_argument("dir")
+    k.add_argument("--force", action="store_true", help="replace keys already in DIR")
     k.set_defaults(func=_keys)
     args = parser.parse_args(argv)
     from .errors import MIIAsyncError

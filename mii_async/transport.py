@@ -56,12 +56,21 @@ def _curve_client(sock: zmq.Socket, curve_dir: str) -> None:
     sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_public, public, secret
 
 
-def make_curve_keys(curve_dir: str) -> None:
-    """Writes a server and a client key pair into `curve_dir` and authorizes the client's public key."""
+def make_curve_keys(curve_dir: str, force: bool = False) -> None:
+    """Writes a server and a client key pair into `curve_dir` and authorizes the client's public key. Keys
+    already there are kept (InvalidParameterError naming `dir`) unless `force`: new ones would lock out every
+    worker and client that holds the old."""
     import shutil
 
     import zmq.auth
 
+    from .errors import InvalidParameterError
+
+    there = [n for n in ("server.key", "server.key_secret", "client.key", "client.key_secret")
+             if os.path.exists(os.path.join(curve_dir, n))]
+    if there and not force:
+        raise InvalidParameterError("dir", f"{curve_dir} already holds keys ({', '.join(there)}); new ones would "
+                                    "lock out the workers and clients that use them (--force replaces them)")
     os.makedirs(os.path.join(curve_dir, "authorized"), exist_ok=True)
     zmq.auth.create_certificates(curve_dir, "server")
     zmq.auth.create_certificates(curve_dir, "client")

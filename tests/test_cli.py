@@ -48,6 +48,8 @@ def test_serve_with_a_joining_worker_over_curve(default_model_dir, tmp_path):
 
     keys = tmp_path / "keys"
     assert _cli("keys", str(keys)).returncode == 0
+    again = _cli("keys", str(keys))                   # kept: new keys would lock out those who hold these
+    assert again.returncode == 2 and "already holds keys" in again.stderr
     port, wport = _free_port(), _free_port()
     serve = subprocess.Popen([sys.executable, "-m", "mii_async", "serve", str(default_model_dir), "--replicas", "0",
                               "--port", str(port), "--worker-port", str(wport), "--curve-dir", str(keys),
@@ -226,3 +228,12 @@ def test_serve_restarts_a_gateway_that_dies(default_model_dir):
         if serve.poll() is None:
             serve.kill()
             serve.wait()
+
+
+def test_chat_goes_on_after_a_message_that_does_not_fit(default_model_dir):
+    """`mii-async chat` over stdin: a message past the context is refused with a line naming why, and the next
+    turn is answered."""
+    long = "word " * 9000
+    out = _cli("chat", "--max-new-tokens", "16", stdin=f"{long}\nWhat is the capital of France?\n\n")
+    assert out.returncode == 0, out.stderr
+    assert "that message was not sent" in out.stderr and "Paris" in out.stdout

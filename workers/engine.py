@@ -30,7 +30,7 @@ from .cuda_graphs import DecodeGraphs, graph_reserve
 from .guide_compiler import GuideCompiler
 from .guides import GuidedRequests
 from .loader import TensorReader, WeightReader, load_spec
-from .memory_plan import MemoryPlan, plan_kv, profile_step
+from .memory_plan import MemoryPlan, plan_kv, profile_step, warn_limits
 from .models.llama import LlamaModel
 from .parallel import TPGroup
 from .piecewise_graphs import MAX_TOKENS as PIECEWISE_MAX_TOKENS, PiecewiseGraphs, piecewise_reserve
@@ -114,10 +114,9 @@ class Engine:
                        + (piecewise_reserve(self.model, piecewise_tokens) if piecewise else 0))
             self.memory_plan = self._plan_memory(kv_spec, per_block, sched, reserve)
             num_blocks = self.memory_plan.num_blocks
-        num_blocks = max(1, num_blocks)
-        if tp is not None:
-            num_blocks = tp.min_int(num_blocks)        # every rank holds the same block ids
+        num_blocks = max(1, num_blocks) if tp is None else tp.min_int(max(1, num_blocks))   # same ids on all ranks
         self.num_blocks = num_blocks
+        warn_limits(mc.max_model_len, limit, self.max_model_len, num_blocks * cc.block_size)
         # With graphs, one more block than the block manager knows: the scratch block of padded rows.
         self.kv = kv_cache.allocate(kv_spec, num_blocks + int(graphs), cc.block_size, self.dtype, self.device)
         self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)

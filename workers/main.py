@@ -3,7 +3,7 @@
 The router starts its replicas' workers this way, with a lifeline (the process exits when the router is gone);
 `mii-async worker --router tcp://HOST:PORT` starts one on another host, which joins the router's mesh and is
 given a replica number. Exit status: 0 after a shutdown, 1 when the model could not be loaded, 3 when the
-router could not be reached.
+router could not be reached or refused the worker.
 """
 from __future__ import annotations
 

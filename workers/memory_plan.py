@@ -10,6 +10,7 @@ captured and reported next to it).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -111,3 +112,15 @@ def plan_kv(profile, device: torch.device, utilization: float, kv_bytes_per_bloc
                           "max_batch_tokens or max_num_seqs")
     return MemoryPlan(total, utilization, weights, activations, non_torch, graph_reserve, kv_bytes_per_block,
                       int(num_blocks), block_size, max_batch_tokens)
+
+
+def warn_limits(asked_len: int | None, model_len: int, max_model_len: int, pool_tokens: int) -> None:
+    """Says when the deployment is less than what was asked or than one request at full length needs: a
+    max_model_len past the model's positions (cut to them), or a KV pool smaller than max_model_len (longer
+    requests are refused)."""
+    log = logging.getLogger("mii_async.workers.engine")
+    if asked_len and asked_len > model_len:
+        log.warning("max_model_len %d is past the model's %d positions: it is %d", asked_len, model_len, model_len)
+    if pool_tokens < max_model_len:
+        log.warning("the KV pool holds %d tokens, fewer than max_model_len (%d): a request longer than the pool "
+                    "is refused", pool_tokens, max_model_len)
