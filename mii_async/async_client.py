@@ -122,6 +122,7 @@ class AsyncClient:
         done = False
         try:
             await conn.send(msg)
+            conn.sent(req_id)
             while True:
                 item = await q.get()
                 if isinstance(item, Lost):
@@ -135,7 +136,7 @@ class AsyncClient:
                 if done:
                     return
         finally:
-            conn.streams.pop(req_id, None)
+            conn.end_stream(req_id)
             if not done and not self._closed:
                 conn.send_later(P.Abort(req_id))
 

@@ -105,6 +105,7 @@ def _serve(a: argparse.Namespace) -> int:
     gateway: list = []
     failed: list[str] = []
     stopping = threading.Event()
+    watchers: list[threading.Thread] = []
 
     def start_gateway(router_address: str) -> None:
         from .deployment import GatewayProcess
@@ -120,8 +121,10 @@ def _serve(a: argparse.Namespace) -> int:
         key = " (API key required)" if http.api_key else ""
         print(f"mii-async: chat page at {gw.url}/ · OpenAI API at {gw.url}/v1 · WebSocket at "
               f"{gw.url.replace('http', 'ws', 1)}/v1/ws{key}", flush=True)
-        threading.Thread(target=_keep_gateway, args=(gateway, router_address, http, serve, stopping, failed),
-                         name="mii_async-gateway-watch", daemon=True).start()
+        watch = threading.Thread(target=_keep_gateway, args=(gateway, router_address, http, serve, stopping, failed),
+                                 name="mii_async-gateway-watch", daemon=True)
+        watchers.append(watch)
+        watch.start()
 
     def on_ready(status: dict) -> None:
         if "error" in status:                       # one line, as for a bad option (the log has the rest)
@@ -143,14 +146,18 @@ def _serve(a: argparse.Namespace) -> int:
         stopping.set()
         for gw in gateway:
             gw.stop(10.0)
+        for watch in watchers:                      # a restart in progress ends; then it is stopped too
+            watch.join(130.0)
+        for gw in gateway:
+            gw.stop(10.0)
     return 2 if failed else code
 
 
 def _keep_gateway(gateway: list, router_address: str, http, serve, stopping: threading.Event,
                   failed: list[str]) -> None:
-    """Restarts the gateway on its port when it dies (it holds no state: a client of the router); one that
-    keeps dying within 10 s of its start, three times running, stops the deployment (exit 2), so that a
-    supervisor can act."""
+    """Restarts the gateway on its port when it dies (it holds no state: a client of the router); if it dies
+    within 10 s of each of three restarts running, the deployment stops (exit 2), so that a supervisor can
+    act. An exit with status 0 is a stop the deployment asked for (the gateway leaves signals to `serve`)."""
     import dataclasses
     import os
     import signal
@@ -162,15 +169,15 @@ def _keep_gateway(gateway: list, router_address: str, http, serve, stopping: thr
     quick = 0
     while True:
         gw, started = gateway[-1], time.monotonic()
-        gw.child.proc.wait()
-        if stopping.is_set():
+        if gw.child.proc.wait() == 0 or stopping.is_set():
             return
-        quick = quick + 1 if time.monotonic() - started < 10 else 1
+        quick = quick + 1 if time.monotonic() - started < 10 else 0
         print(f"mii-async: the gateway exited ({gw.child.describe_exit()}); "
-              + ("restarting it" if quick <= 3 else "it keeps failing: stopping"), file=sys.stderr, flush=True)
-        if quick > 3:
+              + ("restarting it" if quick < 3 else "it keeps failing: stopping"), file=sys.stderr, flush=True)
+        if quick >= 3:
             break
-        time.sleep(1.0)
+        if stopping.wait(1.0):
+            return
         try:
             gateway.append(GatewayProcess(router_address, http, serve.curve_dir, serve.drain_timeout_s))
         except Exception as exc:  # noqa: BLE001 - reported, then the deployment stops

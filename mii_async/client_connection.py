@@ -37,8 +37,13 @@ class Connection:
         self.queries: dict[str, asyncio.Future] = {}
         self.last_heard = time.monotonic()
         self.busy_since = time.monotonic()
-        self.boot: str | None = None       # the router's life, from its pings' answers (router.boot)
+        # Each stream's place in the order of sends, once its request is sent; each ping in flight's place:
+        # a ping's answer lists the requests the router holds for us, so a stream sent before the ping and
+        # missing from the list is one the router lost (it restarted on the same address).
+        self.sent_at: dict[str, int] = {}
+        self._sends = itertools.count()
         self._pings = itertools.count()
+        self._ping_marks: dict[str, int] = {}
         self._bg: set[asyncio.Task] = set()
         self.tasks = [loop.create_task(self._read()), loop.create_task(self._ping())]
 
@@ -48,8 +53,14 @@ class Connection:
     def start_request(self) -> None:
         if not self.outstanding():
             self.busy_since = time.monotonic()
-        if self.boot is None:                  # learn the router's life before it could end
-            self.send_later(self._ping_query())
+
+    def sent(self, req_id: str) -> None:
+        """A stream's request went out (after every ping sent before it, before every later one)."""
+        self.sent_at[req_id] = next(self._sends)
+
+    def end_stream(self, req_id: str) -> None:
+        self.streams.pop(req_id, None)
+        self.sent_at.pop(req_id, None)
 
     def send_later(self, msg: P.Message) -> None:
         """Sends from code that must not await (a `finally` during cancellation)."""
@@ -75,21 +86,27 @@ class Connection:
                 fut = self.queries.pop(msg.req_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg.result)
-                elif msg.req_id.startswith("ping-") and isinstance(boot := msg.result.get("boot"), str):
-                    self._on_boot(boot)
+                elif (mark := self._ping_marks.pop(msg.req_id, None)) is not None:
+                    self._check_live(mark, msg.result.get("live"))
             elif isinstance(msg, P.ErrorReply) and msg.req_id is None:
                 log.warning("router: %s: %s", msg.code, msg.message)
 
-    def _ping_query(self) -> P.Query:
-        return P.Query(f"ping-{next(self._pings)}", "ping")
+    async def _send_ping(self) -> None:
+        ping_id = f"ping-{next(self._pings)}"
+        self._ping_marks[ping_id] = next(self._sends)    # streams sent before this mark are in the answer
+        await self.sock.send(P.Query(ping_id, "ping"))
 
-    def _on_boot(self, boot: str) -> None:
-        """A router that answers with another life than the one this connection knew restarted (a crash, then
-        a new router on the same address): it never heard of the requests in flight, which would wait
-        forever on a router that answers pings."""
-        if self.boot is not None and boot != self.boot:
-            self.fail_all(f"the router at {self.client.address} restarted: the requests in flight were lost")
-        self.boot = boot
+    def _check_live(self, mark: int, live: object) -> None:
+        """A router restarted on the same address answers pings but never heard of the requests sent to the
+        one before: they would wait for ever. Each such stream is told it is lost."""
+        if not isinstance(live, list):
+            return
+        known = set(live)
+        for req_id, at in list(self.sent_at.items()):
+            if at < mark and req_id not in known and (q := self.streams.get(req_id)) is not None:
+                q.put_nowait(Lost(f"the router at {self.client.address} does not know this request: it restarted "
+                                  "(or lost it) since the request was sent"))
+                self.sent_at.pop(req_id)
 
     async def _ping(self) -> None:
         c = self.client
@@ -102,9 +119,10 @@ class Connection:
                 self.fail_all(f"the router at {c.address} has not answered for {c.timeout_s:.0f} s")
                 continue
             if pending is None or pending.done():     # a send blocks while no connection is up
-                pending = self.loop.create_task(self.sock.send(self._ping_query()))
+                pending = self.loop.create_task(self._send_ping())
 
     def fail_all(self, err: str) -> None:
+        self._ping_marks.clear()
         for q in self.streams.values():
             q.put_nowait(Lost(err))
         for fut in self.queries.values():

@@ -25,7 +25,7 @@ PROTOCOL_VERSION = 7                  # 2: DeltaBatch, StatsQuery.reset_prefix_c
                                       # (StepTokens, Delta): a peer of 2 refuses them as unknown fields;
                                       # 4: prompt_logprobs as packed arrays (PromptLogprobs), not nested lists;
                                       # 5: PromptLogprobs carry each prompt token's rank; 6: so do sampled
-                                      # tokens' logprobs; 7: RequestFailed.param
+                                      # tokens' logprobs; 7: RequestFailed.param, ping lists live ids
 MAX_FRAME_BYTES = 16 * 2**20          # also the sockets' ZMQ_MAXMSGSIZE
 MAX_ITEMS = 1 << 20                    # longest msgpack array or map, and bin length in ids
 MAX_BATCH_DELTAS = 1 << 14             # Deltas in one DeltaBatch at most (each is checked and built on decode)
@@ -109,7 +109,7 @@ class Query:
 class QueryReply:
     """Router → client."""
     req_id: str
-    result: dict                                   # ping: {}; health: state and replicas; stats: per replica
+    result: dict                                   # ping: {"live": the asker's live req_ids}; health: state and replicas; stats: per replica
 
 
 # -- router ⇄ worker ---------------------------------------------------------------------------------

@@ -106,8 +106,12 @@ def test_serve_starts_the_gateway_and_stops_it(default_model_dir):
 
     serve = subprocess.Popen([sys.executable, "-m", "mii_async", "serve", str(default_model_dir), "--port", "0",
                               "--http-port", "0", "--kv-cache-memory", "0.1", "--max-num-seqs", "8",
-                              "--max-batch-tokens", "256", "--max-mixed-batch-tokens", "64"],
-                             stdout=subprocess.PIPE, text=True, start_new_session=True)   # a terminal's group
+                              "--max-batch-tokens", "256", "--max-mixed-batch-tokens", "64", "--drain-timeout", "300"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)        # a terminal's group
+    said: list[str] = []                                    # stderr, read whole so that the pipe never fills
+    reader = threading.Thread(target=lambda: said.extend(serve.stderr), daemon=True)
+    reader.start()
     try:
         assert serve.stdout.readline().startswith("mii-async: serving")
         line = serve.stdout.readline()
@@ -128,7 +132,7 @@ def test_serve_starts_the_gateway_and_stops_it(default_model_dir):
 
         def stream():
             with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
-                    "prompt": "Tell me a story.", "max_tokens": 40, "ignore_eos": True, "stream": True}) as r:
+                    "prompt": "Tell me a story.", "max_tokens": 64, "ignore_eos": True, "stream": True}) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
                         events.append(json.loads(line[6:]))
@@ -138,10 +142,12 @@ def test_serve_starts_the_gateway_and_stops_it(default_model_dir):
         t.start()
         assert started.wait(60)
         os.killpg(serve.pid, signal.SIGINT)           # every process of the group, as Ctrl-C does
-        t.join(60)
-        assert serve.wait(timeout=60) == 0
+        t.join(300)
+        assert serve.wait(timeout=300) == 0
         assert events[-1]["choices"][0]["finish_reason"] == "length", events[-1]   # drained, not failed
         assert not wait_gone(children)
+        reader.join(10)
+        assert not any("gateway exited" in line for line in said), said           # it served the drain
     finally:
         if serve.poll() is None:
             serve.kill()
@@ -196,19 +202,23 @@ def test_serve_restarts_a_gateway_that_dies(default_model_dir):
 
     from tests.mesh_helpers import wait_gone
 
+    import queue
+    import threading
+
     serve = subprocess.Popen([sys.executable, "-m", "mii_async", "serve", str(default_model_dir), "--port", "0",
                               "--http-port", "0", "--kv-cache-memory", "0.1"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    said: queue.Queue = queue.Queue()                 # its stderr, read whole so that the pipe never fills
+    threading.Thread(target=lambda: [said.put(line) for line in serve.stderr], daemon=True).start()
     try:
         assert serve.stdout.readline().startswith("mii-async: serving")
         url = re.match(r"mii-async: chat page at (http://127\.0\.0\.1:\d+)/ ", serve.stdout.readline()).group(1)
         first = int(subprocess.run(["pgrep", "-f", "-P", str(serve.pid), "mii_async.gateway"], capture_output=True,
                                    text=True).stdout.split()[0])
         os.kill(first, signal.SIGKILL)
-        for line in serve.stderr:
-            if "the gateway exited" in line:
-                assert "restarting it" in line, line
-                break
+        while "the gateway exited" not in (line := said.get(timeout=60)):
+            pass
+        assert "restarting it" in line, line
         deadline = time.monotonic() + 60
         while True:
             try:

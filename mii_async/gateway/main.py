@@ -5,15 +5,18 @@ lifeline; `mii-async gateway --router ADDR` runs one by hand (any number may fro
 socket itself (so `http_port=0` works), then runs uvicorn (`ws="websockets"`) on uvloop, and writes one JSON line
 ({"url", "pid"}) to the status pipe once it accepts connections. The API key comes from $MII_ASYNC_API_KEY,
 not the command line, so that `ps` does not show it. SIGTERM/SIGINT: uvicorn's graceful shutdown (open
-streams get `drain_s`); the end of the lifeline: the same.
+streams get `drain_s`) for a gateway run by hand; one started with a lifeline leaves them to its parent, and
+shuts down the same way when the lifeline ends.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 from typing import Callable
@@ -70,7 +73,7 @@ async def run_gateway(router: str, http: HttpConfig, on_ready: Callable[[dict], 
                             ws_max_size=http.ws_max_message_bytes, ws_ping_interval=http.ws_ping_s,
                             ws_ping_timeout=http.ws_ping_s, timeout_graceful_shutdown=max(1, int(drain_s)),
                             log_level="warning", access_log=False, server_header=False)
-    server = uvicorn.Server(config)
+    server = (_supervised_server_class() if lifeline_fd is not None else uvicorn.Server)(config)
     loop = asyncio.get_running_loop()
     if lifeline_fd is not None:
         def parent_gone() -> None:
@@ -87,6 +90,29 @@ async def run_gateway(router: str, http: HttpConfig, on_ready: Callable[[dict], 
     on_ready({"url": f"http://{shown}:{port}", "pid": os.getpid()})
     await task
     return 0
+
+
+def _supervised_server_class():
+    import uvicorn
+
+    class Supervised(uvicorn.Server):
+        """A gateway that `mii-async serve` started leaves SIGINT and SIGTERM to it: a terminal's Ctrl-C (or
+        systemd's stop) signals the whole group, and this gateway must go on serving while the router drains
+        (new requests then get 503 "draining"); `serve` stops it afterwards through the lifeline."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            def ignore(signum: int, _: object) -> None:
+                log.info("%s: the deployment drives this gateway's shutdown", signal.Signals(signum).name)
+
+            before = {sig: signal.signal(sig, ignore) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in before.items():
+                    signal.signal(sig, handler)
+
+    return Supervised
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,6 @@ import itertools
 import logging
 import os
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -74,7 +73,6 @@ class Router:
         self.live: dict[int, _Live] = {}
         self._by_client: dict[tuple[bytes, str], int] = {}
         self.client_seen: dict[bytes, float] = {}
-        self.boot = uuid.uuid4().hex          # this router's life: a client that sees it change lost its requests
         self.queued_tokens = 0
         self.state = "starting"           # starting | ready | draining | stopped
         self.startup_errors: list[tuple[str, str]] = []    # (code, message) of replicas that failed to load
@@ -265,7 +263,8 @@ class Router:
 
     async def _answer_query(self, peer: bytes, msg: P.Query) -> None:
         if msg.what == "ping":
-            result: dict = {"boot": self.boot}
+            # the requests this router holds for the pinging client: one it does not list was lost
+            result: dict = {"live": [creq for (p, creq) in self._by_client if p == peer]}
         elif msg.what == "health":
             result = self.health()
         elif msg.what == "stats":
