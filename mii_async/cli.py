@@ -64,13 +64,22 @@ def _chat(a: argparse.Namespace) -> int:
             if not line:
                 break
             history.append({"role": "user", "content": line})
-            try:
-                answer = asyncio.run(_print_stream(pipe, history, params))
-            except mii_async.InvalidParameterError as exc:   # e.g. the conversation outgrew the context
-                history.pop()
-                print(f"mii-async: {exc} (that message was not sent; the chat goes on)", file=sys.stderr)
-                continue
-            history.append({"role": "assistant", "content": answer})
+            while True:
+                try:
+                    answer = asyncio.run(_print_stream(pipe, history, params))
+                    break
+                except mii_async.InvalidParameterError as exc:   # the conversation outgrew the context
+                    if len(history) > 2:                          # forget the oldest turn, and try again
+                        del history[:2]
+                        print("mii-async: (the oldest turn was forgotten: the chat outgrew the context)",
+                              file=sys.stderr)
+                        continue
+                    history.pop()
+                    print(f"mii-async: {exc} (that message was not sent; the chat goes on)", file=sys.stderr)
+                    answer = None
+                    break
+            if answer is not None:
+                history.append({"role": "assistant", "content": answer})
     return 0
 
 

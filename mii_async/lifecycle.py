@@ -3,8 +3,8 @@
 A parent starts each child with the read end of a pipe whose write end only the parent holds. The child
 watches it: end of file means the parent is gone (exited, crashed, killed with -9), and the child exits too.
 This works whatever way the parent died, which neither atexit handlers nor signals do, and so no test or
-user session leaves an orphan. On Linux the child also asks for SIGTERM when its parent dies (prctl), as a
-second line. Imports no torch.
+user session leaves an orphan. On Linux a worker also asks the kernel to kill it when its parent dies (prctl),
+as a second line. Imports no torch.
 """
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def set_process_name(name: str) -> None:
 
 
 def die_with_parent() -> None:
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    """SIGKILL when the parent dies: a worker the router started leaves SIGTERM to the router."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class Child:

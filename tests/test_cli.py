@@ -241,9 +241,10 @@ def test_serve_restarts_a_gateway_that_dies(default_model_dir):
 
 
 def test_chat_goes_on_after_a_message_that_does_not_fit(default_model_dir):
-    """`mii-async chat` over stdin: a message past the context is refused with a line naming why, and the next
-    turn is answered."""
+    """`mii-async chat` over stdin: a conversation past the context forgets its oldest turn first; a message
+    past the context alone is refused with a line naming why; the next turn is answered."""
     long = "word " * 9000
-    out = _cli("chat", "--max-new-tokens", "16", stdin=f"{long}\nWhat is the capital of France?\n\n")
+    out = _cli("chat", "--max-new-tokens", "16", stdin=f"Hello\n{long}\nWhat is the capital of France?\n\n")
     assert out.returncode == 0, out.stderr
-    assert "that message was not sent" in out.stderr and "Paris" in out.stdout
+    assert "oldest turn was forgotten" in out.stderr and "that message was not sent" in out.stderr
+    assert "Paris" in out.stdout

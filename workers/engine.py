@@ -116,7 +116,8 @@ class Engine:
             num_blocks = self.memory_plan.num_blocks
         num_blocks = max(1, num_blocks) if tp is None else tp.min_int(max(1, num_blocks))   # same ids on all ranks
         self.num_blocks = num_blocks
-        warn_limits(mc.max_model_len, limit, self.max_model_len, num_blocks * cc.block_size)
+        if tp is None or tp.rank == 0:
+            warn_limits(mc.max_model_len, limit, self.max_model_len, num_blocks * cc.block_size)
         # With graphs, one more block than the block manager knows: the scratch block of padded rows.
         self.kv = kv_cache.allocate(kv_spec, num_blocks + int(graphs), cc.block_size, self.dtype, self.device)
         self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)

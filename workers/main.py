@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from mii_async.lifecycle import die_with_parent, set_process_name, watch_lifeline
@@ -23,11 +24,15 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--curve-dir", default=None, help="CURVE keys made by `mii-async keys DIR`")
     p.add_argument("--cache-dir", default=None, help="where this host keeps converted models")
     p.add_argument("--lifeline-fd", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--log-level", default=os.environ.get("MII_ASYNC_LOG_LEVEL", "INFO"))
+    p.add_argument("--log-level", default=os.environ.get("MII_ASYNC_LOG_LEVEL", "INFO").upper(), type=str.upper,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     return p
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.lifeline_fd is not None:               # the router's to handle, from the first moment (imports)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
     from .worker import Worker, install_signal_handlers
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,

@@ -120,7 +120,8 @@ def warn_limits(asked_len: int | None, model_len: int, max_model_len: int, pool_
     requests are refused)."""
     log = logging.getLogger("mii_async.workers.engine")
     if asked_len and asked_len > model_len:
-        log.warning("max_model_len %d is past the model's %d positions: it is %d", asked_len, model_len, model_len)
+        log.warning("max_model_len %d is past the model's limit (its positions, or its sliding window): it is %d",
+                    asked_len, model_len)
     if pool_tokens < max_model_len:
         log.warning("the KV pool holds %d tokens, fewer than max_model_len (%d): a request longer than the pool "
                     "is refused", pool_tokens, max_model_len)

@@ -89,8 +89,8 @@ class Worker:
                 self.replica = msg.replica
                 return msg
             if isinstance(msg, P.Shutdown):
-                log.error("the router at %s refused this worker (replica %d rank %d): it has no place for it, or "
-                          "is stopping; the router's log says which", self.router, self.replica, self.rank)
+                log.error("the router at %s refused this worker (rank %d): it has no place for it, or is "
+                          "stopping; the router's log says which", self.router, self.rank)
                 return None
         log.error("no answer from the router at %s within %.0f s", self.router, ASSIGN_TIMEOUT_S)
         return None

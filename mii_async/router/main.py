@@ -4,7 +4,8 @@
 it: once every replica is ready, one JSON line goes to the status pipe ({"address", "worker_address", …}, or
 {"error", "code"} when the deployment could not start). `mii-async serve` calls `run()` in its own process.
 SIGTERM and SIGINT drain for `drain_timeout_s`; a second signal stops at once. The end of the lifeline (the
-parent is gone) stops at once. Exit status: 0 after a shutdown, 1 when the deployment could not start.
+parent is gone) stops at once. Exit status: 0 after a shutdown (or a stop during startup), 1 when the
+deployment could not start, 2 when an address could not be bound.
 """
 from __future__ import annotations
 

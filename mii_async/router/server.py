@@ -363,7 +363,7 @@ def _bind(ctx: Any, param: str, host: str, port: int, curve_dir: str | None) -> 
     try:
         return RouterSocket(ctx, f"tcp://{host}:{port}", curve_dir)
     except zmq.ZMQError as exc:
-        raise InvalidParameterError(param, f"cannot listen on tcp://{host}:{port}: {exc}") from None
+        raise InvalidParameterError(param, f"cannot listen on tcp://{host}:{port}: {exc.strerror}") from None
 
 
 def _wire_logprob(lp: Any) -> list:
