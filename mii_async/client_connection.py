@@ -44,6 +44,7 @@ class Connection:
         self._sends = itertools.count()
         self._pings = itertools.count()
         self._ping_marks: dict[str, int] = {}
+        self._missed: dict[str, int] = {}     # pings in a row whose answer left a stream out
         self._bg: set[asyncio.Task] = set()
         self.tasks = [loop.create_task(self._read()), loop.create_task(self._ping())]
 
@@ -61,6 +62,7 @@ class Connection:
     def end_stream(self, req_id: str) -> None:
         self.streams.pop(req_id, None)
         self.sent_at.pop(req_id, None)
+        self._missed.pop(req_id, None)
 
     def send_later(self, msg: P.Message) -> None:
         """Sends from code that must not await (a `finally` during cancellation)."""
@@ -98,14 +100,20 @@ class Connection:
 
     def _check_live(self, mark: int, live: object) -> None:
         """A router restarted on the same address answers pings but never heard of the requests sent to the
-        one before: they would wait for ever. Each such stream is told it is lost."""
+        one before: they would wait for ever. A stream left out of two answers in a row is told it is lost
+        (one answer may come between the router forgetting a finished request and its last chunk)."""
         if not isinstance(live, list):
             return
         known = set(live)
         for req_id, at in list(self.sent_at.items()):
-            if at < mark and req_id not in known and (q := self.streams.get(req_id)) is not None:
-                q.put_nowait(Lost(f"the router at {self.client.address} does not know this request: it restarted "
-                                  "(or lost it) since the request was sent"))
+            if at >= mark or req_id in known or req_id not in self.streams:
+                self._missed.pop(req_id, None)
+                continue
+            self._missed[req_id] = self._missed.get(req_id, 0) + 1
+            if self._missed[req_id] >= 2:
+                self.streams[req_id].put_nowait(Lost(
+                    f"the router at {self.client.address} does not know this request: it restarted (or lost "
+                    "it) since the request was sent"))
                 self.sent_at.pop(req_id)
 
     async def _ping(self) -> None:
