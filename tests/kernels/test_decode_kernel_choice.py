@@ -11,26 +11,33 @@ from mii_async.kernels import cuda as K
 from mii_async.kernels import decode_attention as DA
 
 
-def test_an_unknown_kernel_argument_is_refused_by_name():
+def _decode(**choice):
+    """A one-sequence decode call on CPU tensors: a bad choice is refused before any GPU work."""
     q = torch.zeros(1, 4, 128)
     cache = torch.zeros(2, 16, 1, 128)
+    return K.paged_attention_decode(q, cache, cache, torch.zeros(1, 1, dtype=torch.int64),
+                                    torch.ones(1, dtype=torch.int64), 1, 1.0, **choice)
+
+
+def _import_with(name: str, value: str) -> subprocess.CompletedProcess:
+    """Imports the CUDA kernels' module in a fresh interpreter with environment variable `name` set."""
+    return subprocess.run([sys.executable, "-c", "import mii_async.kernels.cuda"], capture_output=True, text=True,
+                          env=dict(os.environ, **{name: value}))
+
+
+def test_an_unknown_kernel_argument_is_refused_by_name():
     with pytest.raises(ValueError, match="kernel must be one of mma, stream, split"):
-        K.paged_attention_decode(q, cache, cache, torch.zeros(1, 1, dtype=torch.int64),
-                                 torch.ones(1, dtype=torch.int64), 1, 1.0, kernel="fast")
+        _decode(kernel="fast")
 
 
 def test_a_bad_block_width_is_refused_by_name_whatever_the_kernel():
-    q = torch.zeros(1, 4, 128)
-    cache = torch.zeros(2, 16, 1, 128)
     for kernel in DA.DECODE_KERNELS:
         with pytest.raises(ValueError, match="warps must be 2 or 4, got 3"):
-            K.paged_attention_decode(q, cache, cache, torch.zeros(1, 1, dtype=torch.int64),
-                                     torch.ones(1, dtype=torch.int64), 1, 1.0, kernel=kernel, warps=3)
+            _decode(kernel=kernel, warps=3)
 
 
 def test_an_unknown_environment_choice_is_refused_by_name():
-    env = dict(os.environ, MII_ASYNC_DECODE="fast")
-    r = subprocess.run([sys.executable, "-c", "import mii_async.kernels.cuda"], env=env, capture_output=True, text=True)
+    r = _import_with("MII_ASYNC_DECODE", "fast")
     assert r.returncode != 0 and "MII_ASYNC_DECODE must be one of mma, stream, split, got 'fast'" in r.stderr
 
 
@@ -40,13 +47,9 @@ def test_the_default_is_the_tensor_core_kernel():
 
 
 def test_an_unknown_grid_order_is_refused_by_name():
-    q = torch.zeros(1, 4, 128)
-    cache = torch.zeros(2, 16, 1, 128)
     with pytest.raises(ValueError, match="grid must be one of kv_heads, sequences, got 'heads'"):
-        K.paged_attention_decode(q, cache, cache, torch.zeros(1, 1, dtype=torch.int64),
-                                 torch.ones(1, dtype=torch.int64), 1, 1.0, grid="heads")
-    env = dict(os.environ, MII_ASYNC_DECODE_GRID="heads")
-    r = subprocess.run([sys.executable, "-c", "import mii_async.kernels.cuda"], env=env, capture_output=True, text=True)
+        _decode(grid="heads")
+    r = _import_with("MII_ASYNC_DECODE_GRID", "heads")
     assert r.returncode != 0 and "MII_ASYNC_DECODE_GRID must be one of kv_heads, sequences, got 'heads'" in r.stderr
 
 
