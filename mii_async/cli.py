@@ -87,7 +87,6 @@ def _serve(a: argparse.Namespace) -> int:
     import json
     import logging
     import os
-    import signal
 
     from .config import HttpConfig, split_serve_kwargs
     from .gateway.main import API_KEY_ENV
@@ -115,6 +114,7 @@ def _serve(a: argparse.Namespace) -> int:
     failed: list[str] = []
     stopping = threading.Event()
     watchers: list[threading.Thread] = []
+    stopper: list = []                              # the router's own stop: a drain, never a cut-short one
 
     def start_gateway(router_address: str) -> None:
         from .deployment import GatewayProcess
@@ -124,13 +124,14 @@ def _serve(a: argparse.Namespace) -> int:
         except Exception as exc:  # noqa: BLE001 - reported, then the deployment stops
             failed.append(str(exc))
             print(f"mii-async: the gateway could not start: {exc}", file=sys.stderr, flush=True)
-            os.kill(os.getpid(), signal.SIGTERM)
+            stopper[0]()
             return
         gateway.append(gw)
         key = " (API key required)" if http.api_key else ""
         print(f"mii-async: chat page at {gw.url}/ · OpenAI API at {gw.url}/v1 · WebSocket at "
               f"{gw.url.replace('http', 'ws', 1)}/v1/ws{key}", flush=True)
-        watch = threading.Thread(target=_keep_gateway, args=(gateway, router_address, http, serve, stopping, failed),
+        watch = threading.Thread(target=_keep_gateway, args=(gateway, router_address, http, serve, stopping, failed,
+                                                                stopper[0]),
                                  name="mii_async-gateway-watch", daemon=True)
         watchers.append(watch)
         watch.start()
@@ -150,7 +151,7 @@ def _serve(a: argparse.Namespace) -> int:
             asyncio.get_running_loop().run_in_executor(None, start_gateway, address)
 
     try:
-        code = run_uvloop(run_router(serve, engine, on_ready))
+        code = run_uvloop(run_router(serve, engine, on_ready, on_stopper=stopper.append))
     finally:
         stopping.set()
         for gw in gateway:
@@ -163,13 +164,12 @@ def _serve(a: argparse.Namespace) -> int:
 
 
 def _keep_gateway(gateway: list, router_address: str, http, serve, stopping: threading.Event,
-                  failed: list[str]) -> None:
+                  failed: list[str], stop) -> None:
     """Restarts the gateway on its port when it dies (it holds no state: a client of the router); if it dies
     within 10 s of each of three restarts running, the deployment stops (exit 2), so that a supervisor can
-    act. An exit with status 0 is a stop the deployment asked for (the gateway leaves signals to `serve`)."""
+    act; `stop` drains as a first Ctrl-C does, and leaves a drain in progress to finish. An exit with status 0
+    is a stop the deployment asked for (the gateway leaves signals to `serve`)."""
     import dataclasses
-    import os
-    import signal
     import time
 
     from .deployment import GatewayProcess
@@ -195,7 +195,7 @@ def _keep_gateway(gateway: list, router_address: str, http, serve, stopping: thr
         if stopping.is_set():                       # stopped while it restarted: `serve` stops it
             return
     failed.append("the gateway failed")
-    os.kill(os.getpid(), signal.SIGTERM)
+    stop()
 
 
 def _gateway(a: argparse.Namespace) -> int:

@@ -240,6 +240,70 @@ def test_serve_restarts_a_gateway_that_dies(default_model_dir):
             serve.wait()
 
 
+def test_a_gateway_that_cannot_come_back_during_a_drain_leaves_the_drain_to_finish(default_model_dir):
+    """Ctrl-C starts a drain; the gateway then dies and its port is taken, so it cannot restart. The deployment
+    is failing (exit 2), but the drain goes on: a stream sent straight to the router runs to its end."""
+    import asyncio
+    import queue
+    import re
+    import signal
+    import socket
+    import threading
+
+    from mii_async import AsyncClient
+    from tests.mesh_helpers import wait_gone
+
+    serve = subprocess.Popen([sys.executable, "-m", "mii_async", "serve", str(default_model_dir), "--port", "0",
+                              "--http-port", "0", "--kv-cache-memory", "0.1", "--drain-timeout", "300"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    said: queue.Queue = queue.Queue()                 # its stderr, read whole so that the pipe never fills
+    threading.Thread(target=lambda: [said.put(line) for line in serve.stderr], daemon=True).start()
+    taken = socket.socket()
+    try:
+        address = re.match(r"mii-async: serving .* on (tcp://\S+) ", serve.stdout.readline()).group(1)
+        url = re.match(r"mii-async: chat page at (http://127\.0\.0\.1:\d+)/ ", serve.stdout.readline()).group(1)
+        gateway = int(subprocess.run(["pgrep", "-f", "-P", str(serve.pid), "mii_async.gateway"], capture_output=True,
+                                     text=True).stdout.split()[0])
+        children = [int(p) for p in subprocess.run(["pgrep", "-P", str(serve.pid)], capture_output=True,
+                                                   text=True).stdout.split()]
+        started, chunks = threading.Event(), []
+
+        async def stream() -> None:
+            async with AsyncClient(address.replace("0.0.0.0", "127.0.0.1")) as client:
+                async for chunk in client.stream("Tell me a story.", max_new_tokens=48, ignore_eos=True):
+                    chunks.append(chunk)
+                    started.set()
+
+        t = threading.Thread(target=asyncio.run, args=(stream(),))
+        t.start()
+        assert started.wait(60)
+        serve.send_signal(signal.SIGINT)              # the drain starts
+        while "draining" not in said.get(timeout=60):
+            pass
+        os.kill(gateway, signal.SIGKILL)
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        deadline = time.monotonic() + 5
+        while True:                                   # before the watcher's restart, 1 s after the death
+            try:
+                taken.bind(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+                break
+            except OSError:                           # the dead gateway's socket is not closed yet
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        taken.listen()
+        while "the gateway could not restart" not in said.get(timeout=120):
+            pass
+        t.join(300)
+        assert chunks[-1].finish_reason == "length", chunks[-1]   # drained, not cut short
+        assert serve.wait(timeout=300) == 2                        # the gateway failed
+        assert not wait_gone(children)
+    finally:
+        taken.close()
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+
+
 def test_chat_goes_on_after_a_message_that_does_not_fit(default_model_dir):
     """`mii-async chat` over stdin: a conversation past the context forgets its oldest turn first; a message
     past the context alone is refused with a line naming why; the next turn is answered."""

@@ -25,7 +25,10 @@ log = logging.getLogger("mii_async.router")
 
 
 async def run_router(serve: ServeConfig, engine: EngineConfig, on_ready: Callable[[dict], None],
-                     lifeline_fd: int | None = None) -> int:
+                     lifeline_fd: int | None = None, on_stopper: Callable[[Callable[[], None]], None] | None = None
+                     ) -> int:
+    """`on_stopper` receives a function that any thread may call to stop the deployment as a first signal
+    would: it starts a drain, and leaves one in progress alone (a second signal would cut it short)."""
     from ..errors import MIIAsyncError, error_code
     from .server import Router, _StartupError
 
@@ -43,6 +46,8 @@ async def run_router(serve: ServeConfig, engine: EngineConfig, on_ready: Callabl
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
+    if on_stopper is not None:
+        on_stopper(lambda: loop.call_soon_threadsafe(router.request_shutdown, serve.drain_timeout_s))
     if lifeline_fd is not None:
         def parent_gone() -> None:
             router.stop_draining()
