@@ -27,11 +27,12 @@ GREEDY_BELOW = 1e-5      # a temperature under this is greedy
 @dataclass(frozen=True)
 class SamplingParams:
     """One request's generation settings. Greedy unless `temperature` ≥ GREEDY_BELOW (and `do_sample` is not
-    False)."""
+    False); `do_sample=True` without a temperature samples at 1.0."""
 
     max_new_tokens: int = 128          # upper bound on generated tokens (finish_reason "length")
     min_new_tokens: int = 0            # EOS and stop ids are masked, stop strings not matched, until this many exist
-    temperature: float = 0.0           # under GREEDY_BELOW (1e-5) means greedy
+    temperature: float | None = None   # under GREEDY_BELOW (1e-5) means greedy; not given (None): 1.0 with
+                                       # do_sample=True (transformers, DeepSpeed-MII), else 0.0 (greedy)
     top_p: float = 1.0                 # nucleus mass in (0, 1]
     top_k: int = 0                     # 0 (or -1) disables
     min_p: float = 0.0                 # drop tokens below min_p * p(max token)
@@ -63,6 +64,10 @@ class SamplingParams:
         _int(self, "min_new_tokens", lo=0, hi=MAX_INT)
         if self.min_new_tokens > self.max_new_tokens:
             raise InvalidParameterError("min_new_tokens", f"{self.min_new_tokens} exceeds max_new_tokens={self.max_new_tokens}")
+        if self.do_sample is not None and not isinstance(self.do_sample, bool):
+            raise InvalidParameterError("do_sample", "must be true, false or null")
+        if self.temperature is None:
+            object.__setattr__(self, "temperature", 1.0 if self.do_sample else 0.0)
         _float(self, "temperature", lo=0.0, hi=100.0)
         _float(self, "top_p", lo=0.0, hi=1.0, lo_open=True)
         _int(self, "top_k", lo=-1, hi=MAX_INT)
@@ -93,8 +98,6 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "return_full_text"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParameterError(name, "must be true or false")
-        if self.do_sample is not None and not isinstance(self.do_sample, bool):
-            raise InvalidParameterError("do_sample", "must be true, false or null")
         if self.logprobs is not None:
             _int(self, "logprobs", lo=0, hi=MAX_LOGPROBS)
         if self.prompt_logprobs is not None:

@@ -123,3 +123,18 @@ def test_guided_params_are_checked_and_normalized():
     with pytest.raises(InvalidParameterError) as info:
         SamplingParams(guided_json={"type": "object"}, guided_choice=["a"])
     assert info.value.param == "guided_choice"
+
+
+def test_do_sample_alone_samples_at_temperature_one():
+    """do_sample=True without a temperature samples at temperature 1, as transformers' generate and
+    DeepSpeed-MII do (it was greedy: temperature defaulted to 0); an explicit temperature wins, do_sample=False
+    forces greedy, and with neither the default stays greedy. The resolved value travels as it is."""
+    p = SamplingParams(do_sample=True)
+    assert p.temperature == 1.0 and not p.greedy
+    assert SamplingParams(**p.to_dict()) == p
+    assert SamplingParams(do_sample=True, temperature=0.5).temperature == 0.5
+    assert SamplingParams(do_sample=True, temperature=0.0).greedy
+    assert SamplingParams(do_sample=False, temperature=0.8).greedy
+    assert SamplingParams().temperature == 0.0 and SamplingParams().greedy
+    assert SamplingParams(temperature=None).greedy             # JSON's null: not given
+    assert SamplingParams.from_kwargs(do_sample=True, temperature=None).temperature == 1.0

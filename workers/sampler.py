@@ -1,9 +1,10 @@
 """Sampler: logits processing and token choice for one step's sampled rows.
 
-Order (HF's, then vLLM's): repetition penalty over prompt + output → presence/frequency penalties over the
-output → logit_bias is added → min_new_tokens masks the end ids → a guided row's guide masks every token
-that would leave it → logprobs are taken here, of the processed-by-penalties logits
-before temperature → temperature, top-k, top-p, min-p → choice. Greedy rows take the argmax.
+Order: a guided row's guide masks every token that would leave it → logprobs are taken here, of these raw
+logits (vLLM's default `raw_logprobs`, and the values prompt_logprobs give) → repetition penalty over prompt +
+output (HF) → presence/frequency penalties over the output (OpenAI) → logit_bias is added → min_new_tokens
+masks the end ids → temperature, top-k, top-p, min-p → choice. Greedy rows take the argmax of the processed
+logits. (A mask commutes with the penalties and the bias: −inf stays −inf.)
 
 Random choice is the exponential race (argmax p_i / E_i with E_i ~ Exp(1)), which equals sampling from p.
 A request with a `seed` owns a torch.Generator, so its draws never depend on what else is in the batch.
@@ -114,7 +115,6 @@ class Sampler:
                 lg = lg.float()                                          # CPU's max reads bf16 as it is
             return _staged(_argmax(lg), len(seqs))
         logits = logits[:, : self.vocab_size].to(torch.float32, copy=True).contiguous()   # written in place
-        self._penalize(logits, seqs)
         guided = [i for i, s in enumerate(seqs) if s.guide is not None]
         if guided:                                   # every token that would leave a row's guide is masked
             idx = to_device(guided, logits.device)
@@ -122,9 +122,11 @@ class Sampler:
             logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
         want_lp = [s.params.logprobs for s in seqs]
         lp_rows = [i for i, n in enumerate(want_lp) if n is not None]
-        # A masked token's logprob is -inf, which JSON cannot carry: floored at -9999 (as vLLM does), once the
-        # chosen tokens' ranks are counted.
+        # Raw logprobs, before the penalties write the logits (the row gather is a copy). A masked token's
+        # logprob is -inf, which JSON cannot carry: floored at -9999 (as vLLM does), once the chosen tokens'
+        # ranks are counted.
         logprobs = torch.log_softmax(logits[to_device(lp_rows, logits.device)], -1) if lp_rows else None
+        self._penalize(logits, seqs)
 
         chosen = _argmax(logits)                       # [S]; greedy rows keep this
         rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
@@ -218,14 +220,18 @@ class Sampler:
                 kth = kth.masked_fill(to_device([k == 0 for k in ks], logits.device)[:, None], float("-inf"))
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, -1)
-        top_p = to_device([s.params.top_p for s in seqs], logits.device)
         if any(s.params.top_p < 1.0 for s in seqs):            # host checks: no device sync
-            sp, si = torch.sort(probs, -1, descending=True)
-            drop = (sp.cumsum(-1) - sp) > top_p[:, None]       # keep the smallest set with mass ≥ top_p
-            sp = sp.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(1, si, sp)
-        min_p = to_device([s.params.min_p for s in seqs], logits.device)
+            # Keep the smallest set with mass ≥ top_p, as transformers' TopPLogitsWarper and vLLM: drop the
+            # least likely tokens whose cumulative mass (ascending) is ≤ 1 − top_p, never the most likely one.
+            # A row with top_p = 1 drops only tokens of probability 0 (a descending cumsum could pass 1.0 by
+            # rounding and cut its tail, so that a row's draws would depend on its batch).
+            rest = to_device([1.0 - s.params.top_p for s in seqs], logits.device, torch.float32)
+            sp, si = torch.sort(probs, -1)
+            drop = sp.cumsum(-1) <= rest[:, None]
+            drop[:, -1].fill_(False)                           # (1 − 1e-9 rounds to 1.0 in float32)
+            probs = probs.scatter(1, si, sp.masked_fill(drop, 0.0))
         if any(s.params.min_p > 0 for s in seqs):
+            min_p = to_device([s.params.min_p for s in seqs], logits.device)
             thresh = min_p[:, None] * probs.max(-1, keepdim=True).values
             probs = probs.masked_fill(probs < thresh, 0.0)
         return probs / probs.sum(-1, keepdim=True)

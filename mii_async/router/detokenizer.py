@@ -12,6 +12,9 @@ on every step. Two layers, one object per request:
    character is (probably) split across tokens and the pending ids are held back.
 2. Stop strings, on characters. Text from layer 1 is held back while a suffix of it could still grow into a
    stop string, so a partial stop string never reaches the client; a complete match ends the request.
+   Matches are taken from the id that reaches min_new_tokens on, however the ids are batched into pushes. The id
+   that ended a request (EOS or a stop id: `push(..., stop_terminated=True)`) adds no text unless
+   include_stop_str_in_output, as in vLLM.
 
 The tokenizer is duck-typed (anything with a transformers-style `decode`), so this module imports no torch.
 """
@@ -100,11 +103,25 @@ class IncrementalDetokenizer:
         """All text emitted so far (held-back text that `flush` would add is not included)."""
         return "".join(self._pieces)
 
-    def push(self, token_ids: Sequence[int]) -> Delta:
-        """Feed newly generated ids (one or more); return the text that became safe to show."""
+    def push(self, token_ids: Sequence[int], *, stop_terminated: bool = False) -> Delta:
+        """Feed newly generated ids (one or more); return the text that became safe to show.
+
+        `stop_terminated`: the last id ended the request (EOS or a stop id; the engine's finish reason "stop").
+        Its text is left out unless include_stop_str_in_output, as vLLM does (a stop id such as "." or a shown
+        "<|im_end|>" is not part of the answer); it still counts as generated. `flush` is expected next."""
         assert not self._finished, "push() after the request stopped or was flushed"
-        self._ids.extend(token_ids)
+        start = self._min_new_tokens - self._generated   # the ids before the one reaching min_new_tokens
+        if self._stop and 1 < start <= len(token_ids):
+            # Stop strings are looked for in text released from the id that reaches min_new_tokens on: the ids
+            # before it go one at a time (none can stop), so that which text counts as earlier does not depend
+            # on how the ids are batched (a split character's bytes release text only once complete).
+            first = "".join(self.push(token_ids[k:k + 1]).text for k in range(start - 1))
+            rest = self.push(token_ids[start - 1:], stop_terminated=stop_terminated)
+            return Delta(first + rest.text, rest.stopped, rest.stop_str)
         self._generated += len(token_ids)
+        if stop_terminated and not self._include_stop:
+            token_ids = token_ids[:-1]
+        self._ids.extend(token_ids)
         return self._emit(self._decode_pending(final=False))
 
     def flush(self) -> str:
