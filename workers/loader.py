@@ -15,6 +15,7 @@ import torch
 from mii_async.errors import ModelNotFoundError, UnsupportedModelError
 
 from .models import SUPPORTED_MODEL_TYPES
+from .models.rope import rope_config
 
 
 @dataclass(frozen=True)
@@ -55,15 +56,11 @@ def load_spec(path: Path) -> ModelSpec:
         raise UnsupportedModelError(f"hidden_act {act!r} is not supported: the MLP is SiLU-gated (silu)")
     if cfg.get("mlp_bias"):
         raise UnsupportedModelError("mlp_bias=true is not supported: the MLP's projections have no biases here")
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    scaling = {k: v for k, v in rope.items() if k != "rope_theta"} or None
+    theta, scaling = rope_config(cfg)      # refuses a rope the layers do not compute, naming its field
     gen_path = path / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
     heads = int(cfg["num_attention_heads"])
-    window = cfg.get("sliding_window")
-    if mtype == "qwen2" and not cfg.get("use_sliding_window", False):
-        window = None
+    window = cfg.get("sliding_window") if mtype != "qwen2" else _qwen2_window(cfg)
     return ModelSpec(
         model_type=mtype,
         vocab_size=int(cfg["vocab_size"]),
@@ -83,6 +80,15 @@ def load_spec(path: Path) -> ModelSpec:
         bos_token_id=cfg.get("bos_token_id"),
         sliding_window=int(window) if window else None,
     )
+
+
+def _qwen2_window(cfg: dict[str, Any]) -> int | None:
+    """Qwen2's window, where a layer slides (as transformers decides): use_sliding_window on, and `layer_types`
+    naming a sliding layer, or without them a layer from max_window_layers on. Dense everywhere: None."""
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+    layers = cfg.get("layer_types") or ["sliding_attention" if i >= int(cfg.get("max_window_layers", 28))
+                                        else "full_attention" for i in range(int(cfg["num_hidden_layers"]))]
+    return window if "sliding_attention" in layers else None
 
 
 class WeightReader:

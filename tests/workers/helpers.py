@@ -1,6 +1,7 @@
 """Helpers for engine tests: drive an Engine on token ids, and transformers' greedy reference."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from mii_async.config import EngineConfig
@@ -61,3 +62,27 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                          do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def rope_model(tmp_path: Path, kind: str, rope: dict) -> Path:
+    """A random-weight 2-layer `kind` (llama, mistral or qwen2) of 128 positions with the rope parameters `rope`,
+    saved under tmp_path (its QKV biases randomised, as the tiny models of tests/conftest.py)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[kind]
+    cfg = cls(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=8,
+              num_key_value_heads=4, max_position_embeddings=128, initializer_range=0.1, bos_token_id=1,
+              eos_token_id=2, pad_token_id=0, rope_parameters={"rope_theta": 10000.0, **rope})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    path = tmp_path / "rope-model"
+    model.save_pretrained(str(path))
+    config = json.loads((path / "config.json").read_text())   # as given: without the defaults transformers
+    config["rope_parameters"] = {"rope_theta": 10000.0, **rope}   # filled in when it saved the config
+    (path / "config.json").write_text(json.dumps(config))
+    return path

@@ -20,7 +20,7 @@ from mii_async.kernels.metadata import AttentionMetadata
 from ..loader import ModelSpec, WeightReader
 from ..parallel import TPGroup
 from ..shard_plan import ShardPlan, shard_plan
-from .rope import cos_sin_cache, inv_frequencies
+from .rope import attention_factor, cos_sin_cache, inv_frequencies
 
 
 @dataclass
@@ -97,7 +97,8 @@ class LlamaModel:
         if shard is not None and lm_head.shape[0] < shard.vocab_per_rank:   # the last rank's rows, padded
             lm_head = torch.cat([lm_head, lm_head.new_zeros(shard.vocab_per_rank - lm_head.shape[0], lm_head.shape[1])])
         inv = inv_frequencies(spec.head_dim, spec.rope_theta, spec.rope_scaling)
-        model = cls(spec, layers, embed, get("model.norm.weight"), lm_head, cos_sin_cache(inv, max_positions, device), ops)
+        cos_sin = cos_sin_cache(inv, max_positions, device, attention_factor(spec.rope_scaling))
+        model = cls(spec, layers, embed, get("model.norm.weight"), lm_head, cos_sin, ops)
         model.tp, model.shard = tp, shard
         if shard is not None:
             model.num_heads, model.num_kv_heads = shard.num_q_heads, shard.num_kv_heads
