@@ -15,7 +15,7 @@ import torch
 from mii_async.errors import ModelNotFoundError, UnsupportedModelError
 
 from .models import SUPPORTED_MODEL_TYPES
-from .models.rope import rope_config
+from .models.rope import position_limit, rope_config
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def load_spec(path: Path) -> ModelSpec:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        max_position_embeddings=position_limit(int(cfg.get("max_position_embeddings", 4096)), scaling),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", mtype == "qwen2")),
         eos_token_ids=frozenset(_ids(cfg.get("eos_token_id")) | _ids(gen.get("eos_token_id"))),

@@ -51,6 +51,15 @@ def test_rope_defaults_follow_transformers(tmp_path):
     assert _spec(tmp_path).rope_scaling is None and _spec(tmp_path).rope_theta == 10000.0
 
 
+def test_yarn_stretches_the_position_limit(tmp_path):
+    """A YaRN rope takes original × factor positions (Qwen2.5's 32k × 4), as vLLM derives it; other ropes keep
+    max_position_embeddings."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+    assert _spec(tmp_path, rope_scaling=yarn).max_position_embeddings == 4096
+    assert _spec(tmp_path, rope_scaling={**yarn, "factor": 0.5}).max_position_embeddings == 1024
+    assert _spec(tmp_path, rope_scaling={"type": "linear", "factor": 4.0}).max_position_embeddings == 1024
+
+
 def test_qwen2_window_only_where_a_layer_slides(tmp_path):
     """Qwen2 slides only in layers from max_window_layers on (or as layer_types says): with none, the context is
     not capped at the window; with one, it is."""

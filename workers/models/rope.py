@@ -51,6 +51,15 @@ def rope_config(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, (scaling or None)
 
 
+def position_limit(max_position_embeddings: int, scaling: dict[str, Any] | None) -> int:
+    """The positions a model takes: YaRN stretches its original context by its factor (Qwen2.5's recipe keeps
+    max_position_embeddings at the original 32k beside a yarn factor of 4: 128k, as vLLM derives it)."""
+    if _kind(scaling) != "yarn":
+        return max_position_embeddings
+    assert scaling is not None
+    return max(max_position_embeddings, int(float(scaling[_ORIGINAL]) * float(scaling["factor"])))
+
+
 def _kind(scaling: dict[str, Any] | None) -> str:
     return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
 
