@@ -23,7 +23,7 @@ class Sequence:
     num_computed_tokens: int = 0         # tokens whose K/V are in the cache (reset to 0 on preemption)
     block_table: list[int] = field(default_factory=list)  # KV block ids, in token order
     num_hashed_blocks: int = 0           # leading full blocks registered in the prefix cache
-    last_block_hash: int | None = None   # chained hash of block num_hashed_blocks - 1
+    last_block_hash: bytes | None = None  # chained digest of block num_hashed_blocks - 1
     status: Status = Status.WAITING
     num_cached_prompt_tokens: int = 0    # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0

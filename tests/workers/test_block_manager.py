@@ -160,3 +160,20 @@ def test_a_late_request_waits_at_its_arrival_place():
         sched.remove_many([seqs[s.req_id] for s in plan.seqs])
     assert order == [0, 1, 2, 3]
     bm.check_invariants(sched.all_seqs())
+
+
+def test_prefix_digests_are_keyed_per_process_and_chained():
+    """A block's digest depends on every earlier token (the parent chain) and on a key drawn per process, so
+    that no prompt can be crafted offline to collide with another's prefix (Python's hash() of ints can)."""
+    import subprocess
+    import sys
+
+    from mii_async.workers.block_manager import block_digest
+
+    first = block_digest(None, [1, 2, 3, 4])
+    assert block_digest(first, [5, 6, 7, 8]) != block_digest(block_digest(None, [1, 2, 3, 9]), [5, 6, 7, 8])
+    assert block_digest(None, [1, 2, 3, 4]) == first and len(first) == 16
+    other = subprocess.run([sys.executable, "-c", "from mii_async.workers.block_manager import block_digest; "
+                            "print(block_digest(None, [1, 2, 3, 4]).hex())"], capture_output=True, text=True,
+                           check=True).stdout.strip()
+    assert other != first.hex()
