@@ -71,3 +71,23 @@ def test_qwen2_window_only_where_a_layer_slides(tmp_path):
                  layer_types=["full_attention", "sliding_attention"]).sliding_window == 48
     assert _spec(tmp_path, **{**qwen, "use_sliding_window": False}, max_window_layers=0).sliding_window is None
     assert _spec(tmp_path, model_type="mistral", sliding_window=48).sliding_window == 48
+
+
+def test_a_missing_output_head_is_the_embedding_with_a_warning(tmp_path, caplog):
+    """tie_word_embeddings false but no lm_head.weight in the checkpoint: the embedding serves as the head (the
+    useful choice; transformers would start a random one), and the log says so."""
+    import logging
+
+    from safetensors.torch import load_file, save_file
+
+    from .helpers import head_dim_model, make_engine
+
+    path = head_dim_model(tmp_path, 64, 8, 4, 256)
+    weights = load_file(str(path / "model.safetensors"))
+    assert "lm_head.weight" in weights
+    del weights["lm_head.weight"]
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with caplog.at_level(logging.WARNING, logger="mii_async.workers.loader"):
+        engine = make_engine(path, num_blocks=8, block_size=16)
+    assert "no lm_head.weight" in caplog.text
+    assert engine.runner.model.lm_head is engine.runner.model.embed

@@ -7,6 +7,7 @@ that are sampled.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -21,6 +22,8 @@ from ..loader import ModelSpec, WeightReader
 from ..parallel import TPGroup
 from ..shard_plan import ShardPlan, shard_plan
 from .rope import attention_factor, cos_sin_cache, inv_frequencies
+
+log = logging.getLogger("mii_async.workers.loader")
 
 
 @dataclass
@@ -93,6 +96,9 @@ class LlamaModel:
         vocab = shard.vocab if shard else None
         embed = get("model.embed_tokens.weight", 0, vocab)
         tied = spec.tie_word_embeddings or "lm_head.weight" not in reader
+        if tied and not spec.tie_word_embeddings:   # transformers would start a random head here
+            log.warning("the checkpoint has no lm_head.weight though tie_word_embeddings is false: the output "
+                        "head is the input embedding")
         lm_head = embed if tied else get("lm_head.weight", 0, vocab)
         if shard is not None and lm_head.shape[0] < shard.vocab_per_rank:   # the last rank's rows, padded
             lm_head = torch.cat([lm_head, lm_head.new_zeros(shard.vocab_per_rank - lm_head.shape[0], lm_head.shape[1])])
