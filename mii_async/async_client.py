@@ -11,8 +11,11 @@ client gets its own DEALER socket and reader task, so the client may be shared b
 own. The sync facade runs on a private loop thread. Cancellation: leaving an `async for` early, or cancelling
 the task that awaits `stream`/`generate`, sends an Abort; the replica frees the request's KV blocks within a
 step. Liveness: while requests are outstanding the client pings the router every `ping_s`; a router silent
-for `timeout_s` fails them with UnavailableError instead of hanging. Closing: `close()` drops the sockets (the
-router aborts what they had outstanding once it notices); `terminate_server()` stops the deployment.
+for `timeout_s` fails them with UnavailableError instead of hanging (and, should it only have stalled, tells it
+to abort them). Closing: `close()` ends the open streams with UnavailableError, aborts them at the router and
+releases the sockets, the ZeroMQ context and the sync loop at once; later calls raise EngineClosedError. A
+request too large for one frame (16 MiB) raises RequestTooLongError before it is sent. `terminate_server()`
+stops the deployment.
 """
 from __future__ import annotations
 
@@ -26,7 +29,8 @@ import zmq.asyncio
 
 from . import protocol as P
 from .client_connection import Connection, Lost, within
-from .errors import UnavailableError, error_from_code
+from .errors import (EngineClosedError, InvalidParameterError, RequestTooLongError, UnavailableError,
+                     error_from_code)
 from .guided import normalize_json_schema
 from .outputs import Logprob, Response, StreamChunk, Usage
 from .params import SamplingParams
@@ -44,6 +48,35 @@ def _release(ctx: zmq.asyncio.Context, socks: list[DealerSocket]) -> None:
     ctx.term()
 
 
+def _close_then_set(conn: Connection, closed: threading.Event) -> None:
+    try:
+        conn.close()
+    finally:
+        closed.set()
+
+
+def _term_after(ctx: zmq.asyncio.Context, closing: list[threading.Event], timeout_s: float = 5.0) -> None:
+    for closed in closing:
+        closed.wait(timeout_s)
+    ctx.term()
+
+
+async def _stop_when_idle(timeout_s: float = 5.0) -> None:
+    """Stops the running loop once its other tasks are done (at most `timeout_s` from now)."""
+    loop, me = asyncio.get_running_loop(), asyncio.current_task()
+    deadline = loop.time() + timeout_s
+    while (others := [t for t in asyncio.all_tasks() if t is not me]) and loop.time() < deadline:
+        await asyncio.wait(others, timeout=deadline - loop.time())
+    await asyncio.sleep(0)            # the finished coroutines' results reach their threads first
+    loop.stop()
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """The sync facade's loop thread: runs until close() stops it, then frees the loop's descriptors."""
+    loop.run_forever()
+    loop.close()
+
+
 class AsyncClient:
     def __init__(self, address: str, *, curve_dir: str | None = None, ping_s: float = 2.0,
                  timeout_s: float = 30.0, _process: Any = None, _gateway: Any = None) -> None:
@@ -59,7 +92,8 @@ class AsyncClient:
         # context's weak set of its sockets may be cleared by then, so the finalizer holds them itself.
         self._socks: list[DealerSocket] = []
         # Not at exit: daemon threads may still poll the sockets then, and pyzmq skips term() at exit anyway.
-        weakref.finalize(self, _release, self._ctx, self._socks).atexit = False
+        self._finalizer = weakref.finalize(self, _release, self._ctx, self._socks)
+        self._finalizer.atexit = False
         self._conns: dict[asyncio.AbstractEventLoop, Connection] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -80,8 +114,6 @@ class AsyncClient:
         if isinstance(prompts, str) or is_token_ids(prompts) or is_messages(prompts):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
-            from .errors import InvalidParameterError
-
             raise InvalidParameterError("prompts", "must be a non-empty list of prompts")
         SamplingParams.from_kwargs(**params)
         tasks = [asyncio.ensure_future(self._collect(p, params)) for p in prompts]
@@ -112,21 +144,24 @@ class AsyncClient:
             msg.messages = [dict(m) for m in prompt]
             for i, m in enumerate(msg.messages):
                 check_text(f"messages[{i}]", m)
+                if not all(isinstance(k, str) for k in m):   # msgpack's maps on the wire take string keys
+                    raise InvalidParameterError(f"messages[{i}]", "keys must be strings")
         else:
-            from .errors import InvalidParameterError
-
             raise InvalidParameterError("prompt", "must be a string, a list of token ids or a list of chat messages")
         q: asyncio.Queue = asyncio.Queue()
         conn.start_request()
         conn.streams[req_id] = q
         done = False
         try:
-            await conn.send(msg)
+            try:
+                await conn.send(msg)
+            except P.FrameTooLarge as exc:       # the router's socket would drop this client's connection
+                done = True
+                raise RequestTooLongError("messages" if msg.messages is not None else "prompt", str(exc)) from None
             conn.sent(req_id)
             while True:
                 item = await q.get()
-                if isinstance(item, Lost):
-                    done = True
+                if isinstance(item, Lost):   # not done: a router that was only stalled must still abort it
                     raise UnavailableError(str(item))
                 if isinstance(item, P.ErrorReply):
                     done = True
@@ -216,11 +251,15 @@ class AsyncClient:
 
     # -- plumbing ------------------------------------------------------------------------------------
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Runs one of this client's coroutines from synchronous code, on the client's private loop thread."""
+        """Runs one of this client's coroutines from synchronous code, on the client's private loop thread.
+        After close(): EngineClosedError (that loop is stopped; the coroutine would never run)."""
         with self._lock:
+            if self._closed:
+                coro.close()
+                raise EngineClosedError("the client is closed")
             if self._sync_loop is None:
                 loop = asyncio.new_event_loop()
-                threading.Thread(target=loop.run_forever, name="mii_async-client", daemon=True).start()
+                threading.Thread(target=_run_loop, args=(loop,), name="mii_async-client", daemon=True).start()
                 self._sync_loop = loop
         fut = asyncio.run_coroutine_threadsafe(coro, self._sync_loop)
         try:
@@ -233,8 +272,6 @@ class AsyncClient:
 
     def _conn(self) -> Connection:
         if self._closed:
-            from .errors import EngineClosedError
-
             raise EngineClosedError("the client is closed")
         loop = asyncio.get_running_loop()
         with self._lock:
@@ -249,27 +286,39 @@ class AsyncClient:
         return conn
 
     def close(self) -> None:
-        """Closes every socket of this client (idempotent). A deployment it started keeps running until
-        `terminate_server()`, or until this process exits."""
-        if self._closed:
-            return
-        self._closed = True
+        """Closes every socket of this client (idempotent): its open streams end with UnavailableError and are
+        aborted at the router; later calls raise EngineClosedError. The sockets, the ZeroMQ context and the sync
+        facade's loop are released now, not when the client is collected. A deployment it started keeps running
+        until `terminate_server()`, or until this process exits."""
         with self._lock:
+            if self._closed:
+                return
+            self._closed = True
             conns, self._conns = list(self._conns.values()), {}
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        closing: list[threading.Event] = []          # set once a socket on another loop is closed there
         for conn in conns:
-            try:
-                running = asyncio.get_running_loop()
-            except RuntimeError:
-                running = None
-            if conn.loop is running or conn.loop.is_closed():
+            if conn.loop is running or not conn.loop.is_running():
                 conn.close()
-            else:
-                conn.loop.call_soon_threadsafe(conn.close)
+                continue
+            closed = threading.Event()
+            closing.append(closed)
+            try:
+                conn.loop.call_soon_threadsafe(_close_then_set, conn, closed)
+            except RuntimeError:                     # that loop closed meanwhile
+                _close_then_set(conn, closed)
+        # Not here: term() waits for the last Aborts to leave (ABORT_LINGER_S), and only after the sockets on
+        # other loops are closed (before, their Aborts would fail with ContextTerminated).
+        self._finalizer.detach()
+        threading.Thread(target=_term_after, args=(self._ctx, closing), name="mii_async-client-close",
+                         daemon=True).start()
         if self._sync_loop is not None:
-            loop = self._sync_loop
             # Not at once: close() may be running on that loop, inside a coroutine whose result is still to
-            # be handed to the waiting thread.
-            loop.call_soon_threadsafe(loop.call_later, 0.5, loop.stop)
+            # be handed to the waiting thread, and other threads' coroutines end (their streams failed) first.
+            asyncio.run_coroutine_threadsafe(_stop_when_idle(), self._sync_loop)
 
     async def __aenter__(self) -> AsyncClient:
         return self

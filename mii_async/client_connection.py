@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mii_async.client")
 T = TypeVar("T")
+ABORT_LINGER_S = 1.0       # how long a closed connection's last Aborts may take to leave
 
 
 class Lost(Exception):
@@ -147,10 +148,16 @@ class Connection:
                                    f"within {self.client.timeout_s:.0f} s") from None
 
     def close(self) -> None:
+        """Fails what is outstanding and closes the socket, on this connection's loop. The router is told to
+        abort every stream still open (not left to run until it misses our pings, client_timeout_s later): the
+        Aborts get ABORT_LINGER_S to leave, during which the context's term() waits."""
+        live = list(self.streams)
         self.fail_all("the client was closed")
         for t in self.tasks:
-            t.cancel()
-        self.sock.close()
+            if not self.loop.is_closed():        # (a loop closed with them pending cannot take the cancel)
+                t.cancel()
+        sent = [req_id for req_id in live if self.sock.send_nowait(P.Abort(req_id))]
+        self.sock.close(linger_s=ABORT_LINGER_S if sent else 0.0)
 
 
 async def within(aw: Awaitable[T], timeout_s: float) -> T:

@@ -47,6 +47,11 @@ _EACH_PLPS = {"plps": "each"}          # a list of PromptLogprobs or None
 
 class ProtocolError(ValueError):
     """A frame that is not a valid message of this protocol version."""
+    req_id: str | None = None          # a refused Generate's or Query's id, when the frame shows it: the reply's
+
+
+class FrameTooLarge(ProtocolError):
+    """A message over MAX_FRAME_BYTES, refused by `encode`: the peer would drop the whole connection."""
 
 
 # -- client ⇄ router ---------------------------------------------------------------------------------
@@ -249,7 +254,10 @@ def _unpack_each_prompt_logprobs(x: Any, name: str) -> list:
 def encode(msg: Message) -> bytes:
     frame: dict[str, Any] = {"v": PROTOCOL_VERSION, "t": type(msg).__name__}
     _put_fields(msg, frame)
-    return msgpack.packb(frame, use_bin_type=True)
+    data = msgpack.packb(frame, use_bin_type=True)
+    if len(data) > MAX_FRAME_BYTES:
+        raise FrameTooLarge(f"a {type(msg).__name__} of {len(data)} bytes exceeds the {MAX_FRAME_BYTES >> 20} MiB of a frame")
+    return data
 
 
 def _put_fields(msg: Any, frame: dict[str, Any]) -> dict[str, Any]:
@@ -264,7 +272,27 @@ def _put_fields(msg: Any, frame: dict[str, Any]) -> dict[str, Any]:
 
 
 def decode(data: bytes) -> Message:
-    """Parses one frame; raises ProtocolError for anything that is not a valid message."""
+    """Parses one frame; raises ProtocolError for anything else (with a Generate's or Query's req_id)."""
+    try:
+        return _decode(data)
+    except ProtocolError as exc:
+        exc.req_id = _req_id_of(data)
+        raise
+
+
+def _req_id_of(data: bytes) -> str | None:
+    """The req_id of a refused Generate or Query frame, read leniently (not an Abort's: a reply under its id
+    would end the live request it names)."""
+    try:
+        frame = msgpack.unpackb(data, raw=False, strict_map_key=False, max_bin_len=MAX_FRAME_BYTES, max_ext_len=0,
+                                max_str_len=MAX_FRAME_BYTES, max_array_len=MAX_ITEMS, max_map_len=MAX_ITEMS)
+    except Exception:  # noqa: BLE001 - not msgpack at all: no id to answer under
+        return None
+    ok = isinstance(frame, dict) and frame.get("t") in ("Generate", "Query") and isinstance(frame.get("req_id"), str)
+    return frame["req_id"] if ok and len(frame["req_id"]) <= 256 else None
+
+
+def _decode(data: bytes) -> Message:
     if len(data) > MAX_FRAME_BYTES:
         raise ProtocolError(f"frame of {len(data)} bytes exceeds {MAX_FRAME_BYTES}")
     try:

@@ -150,8 +150,9 @@ class _Dealer:
             self.bad_frames += 1
             return exc
 
-    def close(self) -> None:
-        self._sock.close(linger=0)
+    def close(self, linger_s: float = 0.0) -> None:
+        """Closes the socket; frames still queued get `linger_s` to leave (the context's term() waits that long)."""
+        self._sock.close(linger=int(linger_s * 1000))
 
 
 class DealerSocket(_Dealer):
@@ -167,6 +168,14 @@ class DealerSocket(_Dealer):
     async def send(self, msg: Message) -> None:
         await self._sock.send(protocol.encode(msg))
 
+    def send_nowait(self, msg: Message) -> bool:
+        """Queues a frame without awaiting (from the socket's own loop thread, in code that must not await: a
+        close); False when libzmq would not take it now."""
+        try:
+            zmq.Socket.send(self._sock, protocol.encode(msg), zmq.DONTWAIT)   # the blocking class's send
+        except zmq.ZMQError:
+            return False
+        return True
 
 
 class SyncDealerSocket(_Dealer):

@@ -108,6 +108,13 @@ def test_stop_token_ids_and_min_new_tokens(default_pipe):
     stop_id = base.token_ids[3]
     r = default_pipe.chat(CHAT, max_new_tokens=32, stop_token_ids=[stop_id])
     assert r.token_ids == base.token_ids[:4] and r.finish_reason == "stop"
+    tok = default_pipe.tokenizer
+    # the stop id's own text is left out, as vLLM does, unless include_stop_str_in_output
+    assert r.generated_text == tok.decode(base.token_ids[:3]), r.generated_text
+    kept = default_pipe.chat(CHAT, max_new_tokens=32, stop_token_ids=[stop_id], include_stop_str_in_output=True)
+    assert kept.generated_text == tok.decode(base.token_ids[:4]), kept.generated_text
+    shown = default_pipe.chat(CHAT, max_new_tokens=32, skip_special_tokens=False)
+    assert shown.finish_reason == "stop" and not shown.generated_text.endswith(tok.decode(shown.token_ids[-1:]))
     r = default_pipe.chat(CHAT, max_new_tokens=20, min_new_tokens=20)
     assert r.generated_length == 20 and r.finish_reason == "length"
 

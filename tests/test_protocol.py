@@ -169,6 +169,30 @@ def test_oversize_frame_is_refused():
         p.decode(b"\x00" * (p.MAX_FRAME_BYTES + 1))
 
 
+def test_a_message_too_large_for_a_frame_is_not_encoded():
+    """encode refuses a message over MAX_FRAME_BYTES (FrameTooLarge, a ProtocolError) rather than hand the
+    socket a frame that makes the peer drop the whole connection."""
+    with pytest.raises(p.FrameTooLarge, match="16 MiB"):
+        p.encode(p.Generate("big", prompt="x" * p.MAX_FRAME_BYTES))
+    assert len(p.encode(p.Generate("ok", prompt="x" * (p.MAX_FRAME_BYTES - 1000)))) <= p.MAX_FRAME_BYTES
+
+
+def test_a_refused_generate_or_query_keeps_its_req_id():
+    """A Generate or Query frame that fails to decode still names its req_id in the ProtocolError, so that the
+    refusal can reach its stream; an Abort's (whose id names a live request) and garbage's are None."""
+    V = p.PROTOCOL_VERSION
+    for kind, want in (("Generate", "g1"), ("Query", "q1"), ("Abort", None)):
+        with pytest.raises(p.ProtocolError) as e:
+            p.decode(msgpack.packb({"v": V, "t": kind, "req_id": want or "a1", "params": {1: 2}}))
+        assert e.value.req_id == want
+    with pytest.raises(p.ProtocolError) as e:
+        p.decode(msgpack.packb({"v": V, "t": "Generate", "req_id": "g2", "prompt": 5}))
+    assert e.value.req_id == "g2"
+    with pytest.raises(p.ProtocolError) as e:
+        p.decode(b"\xc1garbage")
+    assert e.value.req_id is None
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=200))
 def test_random_bytes_never_escape_as_other_errors(data):

@@ -94,7 +94,8 @@ class RequestState:
                     self.prompt_logprobs = plps
             else:
                 self.packed_prompt_logprobs = ev.prompt_logprobs
-        delta = self._detok.push([tok])
+        # the id that ended it (EOS, a stop id) adds no text unless include_stop_str_in_output, as in vLLM
+        delta = self._detok.push([tok], stop_terminated=ev.finish_reason == "stop")
         text = delta.text
         if delta.stopped:
             self.finish_reason = "stop"

@@ -192,8 +192,8 @@ class Router:
         elif isinstance(msg, P.Shutdown):
             await self.clients.send(peer, P.QueryReply(msg.req_id or "", {"state": "draining"}))
             self.request_shutdown(msg.drain_s)
-        elif isinstance(msg, P.ProtocolError):
-            await self.clients.send(peer, P.ErrorReply(None, "bad_frame", str(msg)))
+        elif isinstance(msg, P.ProtocolError):       # under the refused Generate's id: its stream ends now
+            await self.clients.send(peer, P.ErrorReply(msg.req_id, "bad_frame", str(msg)))
         else:
             await self.clients.send(peer, P.ErrorReply(None, "bad_frame", f"a client may not send {type(msg).__name__}"))
 
@@ -201,7 +201,8 @@ class Router:
         self.counters["requests"] += 1
         key = (peer, msg.req_id)
         if key in self._by_client:
-            await self._refuse(peer, msg.req_id, InvalidParameterError("req_id", f"{msg.req_id!r} is already live"))
+            # not under that id, whose live stream the reply would end (AsyncClient never reuses an id)
+            await self._refuse(peer, None, InvalidParameterError("req_id", f"{msg.req_id!r} is already live"))
             return
         if self.state != "ready":
             await self._refuse(peer, msg.req_id, UnavailableError(f"the deployment is {self.state}"))
@@ -256,7 +257,7 @@ class Router:
         self.queued_tokens += cost
         await self.workers_sock.send(rep.leader, P.AddRequest(live.rid, ids, params.to_dict()))
 
-    async def _refuse(self, peer: bytes, creq: str, exc: MIIAsyncError) -> None:
+    async def _refuse(self, peer: bytes, creq: str | None, exc: MIIAsyncError) -> None:
         code = error_code(exc)
         self.counters["overloaded" if code == "overloaded" else "rejected"] += 1
         await self.clients.send(peer, P.ErrorReply(creq, code, str(exc), getattr(exc, "param", None)))
