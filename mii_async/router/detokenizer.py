@@ -96,12 +96,18 @@ class IncrementalDetokenizer:
         self._held = ""  # decoded text not yet emitted: it may be the start of a stop string
         self._pieces: list[str] = []  # everything emitted, in order
         self._stopped = False  # a stop string was matched
+        self._stop_str: str | None = None
         self._finished = False  # stopped or flushed: no more input is accepted
 
     @property
     def text(self) -> str:
         """All text emitted so far (held-back text that `flush` would add is not included)."""
         return "".join(self._pieces)
+
+    @property
+    def stop_str(self) -> str | None:
+        """The stop string matched, by a push or in the text a flush released; None if none was."""
+        return self._stop_str
 
     def push(self, token_ids: Sequence[int], *, stop_terminated: bool = False) -> Delta:
         """Feed newly generated ids (one or more); return the text that became safe to show.
@@ -201,6 +207,7 @@ class IncrementalDetokenizer:
                 end, start, s = best
                 self._held = ""
                 self._stopped = self._finished = True
+                self._stop_str = s
                 return self._delta(pending[:end] if self._include_stop else pending[:start], s)
         # (before min_new_tokens no match is taken, but a suffix that may start one is held all the same: a
         # stop string that starts before the threshold and ends after it stops the request, as in vLLM)

@@ -101,8 +101,8 @@ class RequestState:
             self.finish_reason = "stop"
             self.needs_abort = ev.finish_reason is None
         elif ev.finish_reason is not None:
-            text += self._detok.flush()
-            self.finish_reason = ev.finish_reason
+            text += self._detok.flush()           # a stop string its text completes wins, as in vLLM
+            self.finish_reason = "stop" if self._detok.stop_str is not None else ev.finish_reason
         return self._chunk(text, [tok], [lp] if lp is not None else None, plps)
 
     def _chunk(self, text: str, ids: list[int], lps: list[Logprob] | None,

@@ -104,5 +104,6 @@ def test_batched_pushes_equal_one_by_one_with_min_new_tokens(tok, text, data):
                 break
         else:
             out += detok.flush()
+            stopped = detok.stop_str                  # (a stop string the held text completes)
         results.append((out, stopped))
     assert results[0] == results[1]
