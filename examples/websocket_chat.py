@@ -5,7 +5,7 @@ Start a deployment with its gateway in another terminal (HTTP on http://127.0.0.
     .venv/bin/mii-async serve
 
 then chat (an empty line or Ctrl-D quits, /reset forgets the conversation, Ctrl-C stops the answer being
-written):
+written; once the conversation outgrows the model's context, its oldest turns are forgotten):
 
     .venv/bin/python examples/websocket_chat.py --url http://127.0.0.1:8000
 
@@ -48,6 +48,15 @@ class Reply(NamedTuple):
 
 class ChatError(Exception):
     """The server refused or failed a request (an error frame); the connection is still usable."""
+
+    def __init__(self, frame: dict[str, Any]) -> None:
+        param = f" (parameter {frame['param']})" if frame.get("param") else ""
+        super().__init__(f"{frame['code']}: {frame['message']}{param}")
+        self.code, self.param = frame.get("code"), frame.get("param")
+
+    def outgrew_context(self) -> bool:
+        """The prompt and the answer cannot fit the context (or the KV pool) together."""
+        return self.code == "request_too_long" and self.param in ("max_new_tokens", "prompt", "messages")
 
 
 def ws_url(url: str) -> str:
@@ -102,8 +111,21 @@ async def ask(ws: ClientConnection, req_id: str, messages: list[dict[str, str]],
                 return Reply("".join(parts), frame["finish_reason"], frame.get("usage") or {})
             elif frame["type"] == "error":
                 print(flush=True)
-                param = f" (parameter {frame['param']})" if frame.get("param") else ""
-                raise ChatError(f"{frame['code']}: {frame['message']}{param}")
+                raise ChatError(frame)
+
+
+async def ask_fitting(ws: ClientConnection, req_id: str, history: list[dict[str, str]],
+                      params: dict[str, Any]) -> Reply:
+    """ask(), forgetting the oldest turns (in place) while the conversation is too long for the context, as
+    `mii-async chat` does; a question that does not fit even alone is the server's error."""
+    while True:
+        try:
+            return await ask(ws, req_id, history, params)     # ids may be reused once done (an error is done)
+        except ChatError as exc:
+            if not exc.outgrew_context() or len(history) < 3:
+                raise
+            del history[:2]
+            print("[the oldest turn was forgotten: the conversation outgrew the context]\nbot> ", end="", flush=True)
 
 
 def report(reply: Reply) -> None:
@@ -162,7 +184,7 @@ async def chat(url: str, api_key: str | None, params: dict[str, Any], once: str 
             history.append({"role": "user", "content": line.strip()})
             print("bot> ", end="", flush=True)
             try:
-                reply = await ask(ws, f"turn-{turn}", history, params)   # ids may be reused once done
+                reply = await ask_fitting(ws, f"turn-{turn}", history, params)
             except ChatError as exc:
                 history.pop()                                 # the question was not answered: forget it
                 print(f"error: {exc}", file=sys.stderr, flush=True)

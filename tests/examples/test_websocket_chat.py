@@ -64,3 +64,21 @@ def test_ctrl_c_cancels_the_answer(gateway_url, deployment):
     assert m and m[1] == "abort" and int(m[3]) < 400, out
     assert took < 10, f"the answer went on for {took:.1f} s after Ctrl-C"
     asyncio.run(kv_idle(deployment))
+
+
+def test_forgets_the_oldest_turn_when_the_conversation_outgrows_the_context(gateway_url, deployment):
+    """Two long questions that fit the deployment one at a time but not together: the second is answered after
+    the first turn is forgotten (said on stdout), not refused, and the conversation goes on from there."""
+    limits = deployment.run(deployment.health())["limits"]
+    tokens = min(limits["max_model_len"], limits["max_request_tokens"]) * 3 // 5
+    long_q = "The quick brown fox jumps over the lazy dog. " * (tokens // 10) + "Who is lazy?"   # 10 tokens each
+    out = run_example("websocket_chat.py", "--url", gateway_url, "--max-new-tokens", "8",
+                      stdin=f"{long_q}\n{long_q}\nThanks!\n")
+    assert out.returncode == 0, out.stderr
+    assert "error" not in out.stderr, out.stderr
+    turns = out.stdout.split("you> ")[1:]
+    assert len(turns) == 4, out.stdout                       # three questions, then the end of input
+    assert "forgotten" not in turns[0] and "[2 messages in the conversation]" in turns[0]
+    assert "[the oldest turn was forgotten: the conversation outgrew the context]" in turns[1]
+    assert USAGE.search(turns[1]) and "[2 messages in the conversation]" in turns[1]
+    assert "forgotten" not in turns[2] and "[4 messages in the conversation]" in turns[2]

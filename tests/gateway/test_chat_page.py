@@ -194,6 +194,8 @@ def test_stop_keeps_the_partial_answer(new_chat, gateway_url):
     story = chat.assistant(0)
     expect(story).to_have_class(re.compile(r"\bstreaming\b"))
     expect(story.locator(".body")).to_have_text(re.compile(r"\S.{10,}", re.S), timeout=ANSWER_MS)
+    chat.ask("A second question meanwhile", enter=True)               # one at a time: it waits in the box
+    assert len(chat.generates()) == 1 and page.input_value("#prompt") == "A second question meanwhile"
     page.click("#stop")
 
     finish, partial = chat.answer(0)
@@ -267,11 +269,12 @@ def test_new_chat_settings_and_errors(new_chat, gateway_url):
     expect(page.locator("#send")).to_be_enabled()
 
     chat.settings(max_tokens="8", system="You are terse.")
-    markup = 'Hi <b>there</b> <img src="/x.png">'
+    markup = 'Hi <b>there</b> <img src=x onerror="window.__xss=1">'
     chat.ask(markup)
     assert chat.answer(1)[0] in ("stop", "length")
     assert page.locator("#messages .msg.user .body").nth(1).text_content() == markup   # text, never HTML
     expect(page.locator("#messages b, #messages img")).to_have_count(0)
+    assert page.evaluate("window.__xss") is None
     # The failed turn is not history: the system prompt, then only this question.
     assert chat.generates()[1]["messages"] == [{"role": "system", "content": "You are terse."},
                                                {"role": "user", "content": markup}]

@@ -4,25 +4,30 @@
 //   ← hello {model, max_message_bytes, max_requests}
 //   → generate {id, messages, max_new_tokens, temperature, top_p, seed?}   → cancel {id}
 //   ← token {id, text, token_ids} …  then  done {id, finish_reason, usage}  or  error {id, code, message, param}
-// Each request sends the whole conversation (the system prompt first). Model output is only ever put in the
+// Each request sends the whole conversation (the system prompt first); once it outgrows the context, the
+// oldest turns are left out (as `mii-async chat` does). Model output is only ever put in the
 // page as text (Text nodes / textContent), never as HTML. A dropped connection is retried with backoff.
 "use strict";
+
+// This script's own URL (…/static/chat.js): the gateway's routes are found relative to it (index.html loads
+// it from the page's own path). Only known while the script first runs.
+const SCRIPT_URL = document.currentScript ? document.currentScript.src
+  : location.origin + location.pathname.replace(/^\/+/, "/").replace(/\/*$/, "/") + "static/chat.js";
 
 function startChat() {
   const $ = (id) => document.getElementById(id);
   const ui = {
     messages: $("messages"), composer: $("composer"), prompt: $("prompt"), send: $("send"), stop: $("stop"),
-    newChat: $("new-chat"), status: $("status"), settings: $("settings"), toggle: $("toggle-settings"),
-    reset: $("reset-settings"), maxTokens: $("max-tokens"), temperature: $("temperature"), topP: $("top-p"),
-    seed: $("seed"), system: $("system"),
+    newChat: $("new-chat"), status: $("status"), system: $("system"),
   };
   const statusText = ui.status.querySelector(".status-text");
+  const settings = chatSettings();   // static/settings.js
 
   const PROTOCOL = 1;
-  const DEFAULTS = { "max-tokens": "256", temperature: "0.7", "top-p": "0.9", seed: "", system: "" };
-  const SETTINGS_KEY = "mii_async.chat.settings";
   const STOP_FALLBACK_MS = 15000;   // a cancel the server never answers: end the request here anyway
   const RETRY_MIN_MS = 500, RETRY_MAX_MS = 10000;
+  // request_too_long naming one of these: the prompt and the answer do not fit together (not prompt_logprobs).
+  const CONTEXT_PARAMS = new Set(["max_new_tokens", "prompt", "messages"]);
 
   let ws = null;
   let connState = "connecting";
@@ -30,15 +35,19 @@ function startChat() {
   let maxMessageBytes = Infinity;
   let retries = 0, retryTimer = null, countdownTimer = null;
   let history = [];          // finished turns, as sent: {role, content}
+  let forgotten = 0;         // history[0:forgotten] is no longer sent: the conversation outgrew the context
   let current = null;        // the request being streamed (at most one)
   let seq = 0;
 
   // ---------------------------------------------------------------- connection
 
   function wsUrl() {
-    const proto = location.protocol === "https:" ? "wss:" : "ws:";
+    // Next to static/, where this script came from: /v1/ws, or /mii/v1/ws behind a proxy's /mii/ prefix.
+    const u = new URL("../v1/ws", SCRIPT_URL);
+    u.protocol = u.protocol === "https:" ? "wss:" : "ws:";
     const key = new URLSearchParams(location.search).get("api_key");
-    return `${proto}//${location.host}/v1/ws` + (key ? `?api_key=${encodeURIComponent(key)}` : "");
+    u.search = key ? `?api_key=${encodeURIComponent(key)}` : "";
+    return u.href;
   }
 
   function isOpen() {
@@ -130,13 +139,16 @@ function startChat() {
         if (f.protocol !== PROTOCOL) notice(`The server speaks protocol ${f.protocol}; this page expects ${PROTOCOL}.`);
         break;
       case "token":
-        if (mine) appendText(f);
+        if (mine) {
+          keepShorterHistory(current);
+          appendText(f);
+        }
         break;
       case "done":
         if (mine) finish(f.finish_reason || "stop", f.usage);
         break;
       case "error":
-        if (mine) finish("error", null, describeError(f));
+        if (mine && !retryShorter(f)) finish("error", null, describeError(f));
         else if (f.id === null || f.id === undefined) notice(describeError(f));
         // else: an error of a request this page already gave up (New chat): nothing to show
         break;
@@ -177,13 +189,13 @@ function startChat() {
     return { el, body, textNode };
   }
 
-  function notice(text) {
+  function notice(text, before) {
     const stick = nearBottom();
     const el = document.createElement("div");
     el.className = "notice";
     el.setAttribute("role", "alert");
     el.textContent = text;
-    ui.messages.appendChild(el);
+    ui.messages.insertBefore(el, before || null);
     if (stick) scrollToBottom();
   }
 
@@ -224,11 +236,44 @@ function startChat() {
       c.el.append(err, meta);
       // A failed turn stays on screen but is not part of the history sent next time.
     } else {
+      if (reason !== "abort") keepShorterHistory(c);
       c.el.append(meta);
       history.push({ role: "user", content: c.user }, { role: "assistant", content: c.text });
     }
     if (nearBottom()) scrollToBottom();
     updateButtons();
+  }
+
+  function nextId() {
+    seq += 1;
+    return `c${seq}-${Date.now().toString(36)}`;
+  }
+
+  // The generate frame of request c: the system prompt, the history from c.from on, then c's question.
+  function frameFor(c) {
+    const messages = [];
+    if (c.system) messages.push({ role: "system", content: c.system });
+    messages.push(...history.slice(c.from), { role: "user", content: c.user });
+    return JSON.stringify({ type: "generate", id: c.id, messages, ...c.params });
+  }
+
+  // Refused as too long for the context (or the KV pool) while older turns are still sent: send the question
+  // again without the oldest one. A refusal comes before any token; the window is kept once the model answers.
+  function retryShorter(f) {
+    const c = current;
+    if (f.code !== "request_too_long" || !CONTEXT_PARAMS.has(f.param) || c.stopping || c.tokens > 0 ||
+        c.from >= history.length || !isOpen()) return false;
+    c.from += 2;
+    c.id = nextId();
+    ws.send(frameFor(c));
+    return true;
+  }
+
+  function keepShorterHistory(c) {
+    if (c.from <= forgotten) return;
+    notice(`The conversation outgrew the model's context: its first ${c.from} messages are no longer sent ` +
+           "with new questions (they stay on screen).", c.userEl);
+    forgotten = c.from;
   }
 
   function send() {
@@ -238,34 +283,32 @@ function startChat() {
       ui.prompt.focus();
       return;
     }
-    const params = readSettings(true);
+    const params = settings.read(true);
     if (params === null) return;
 
-    const messages = [];
-    const system = ui.system.value.trim();
-    if (system) messages.push({ role: "system", content: system });
-    messages.push(...history, { role: "user", content: text });
-    seq += 1;
-    const id = `c${seq}-${Date.now().toString(36)}`;
-    const frame = { type: "generate", id, messages, ...params };
-    const json = JSON.stringify(frame);
-    const bytes = new TextEncoder().encode(json).length;
-    if (bytes > maxMessageBytes) {
-      notice(`The conversation is too long to send (${bytes} bytes; the server takes at most ${maxMessageBytes}). ` +
-             "Start a new chat.");
+    const c = { id: nextId(), user: text, system: ui.system.value.trim(), params, from: forgotten };
+    const size = (s) => new TextEncoder().encode(s).length;
+    let json = frameFor(c);
+    while (size(json) > maxMessageBytes && c.from < history.length) {
+      c.from += 2;                                // the oldest turns go first here too
+      json = frameFor(c);
+    }
+    if (size(json) > maxMessageBytes) {
+      notice(`The message is too long to send (${size(json)} bytes; the server takes at most ${maxMessageBytes}).`);
       return;
     }
 
-    addMessage("user", text);
+    const u = addMessage("user", text);
     const a = addMessage("assistant", "");
     a.el.classList.add("streaming");
     a.el.setAttribute("aria-busy", "true");     // screen readers: read it once it is complete
-    current = { id, ...a, text: "", tokens: 0, user: text, started: performance.now(), stopping: false,
-                stopTimer: null, maxNewTokens: params.max_new_tokens };
+    current = Object.assign(c, a, { userEl: u.el, text: "", tokens: 0, started: performance.now(),
+                                    stopping: false, stopTimer: null, maxNewTokens: params.max_new_tokens });
     ws.send(json);
     ui.prompt.value = "";
     autosize();
     updateButtons();
+    ui.prompt.focus();                            // after a click on Send too: type the next one right away
   }
 
   function stop() {
@@ -287,6 +330,7 @@ function startChat() {
       current = null;      // its remaining frames are ignored
     }
     history = [];
+    forgotten = 0;
     ui.messages.replaceChildren();
     updateButtons();
     ui.prompt.focus();
@@ -301,95 +345,6 @@ function startChat() {
     const p = ui.prompt;
     p.style.height = "auto";
     p.style.height = `${Math.min(p.scrollHeight + 2, 220)}px`;
-  }
-
-  // ---------------------------------------------------------------- settings
-
-  const fields = [
-    { el: ui.maxTokens, key: "max-tokens", param: "max_new_tokens", label: "Max new tokens", int: true, min: 1 },
-    { el: ui.temperature, key: "temperature", param: "temperature", label: "Temperature", min: 0, max: 100 },
-    { el: ui.topP, key: "top-p", param: "top_p", label: "Top p", min: 0, minOpen: true, max: 1 },
-    { el: ui.seed, key: "seed", param: "seed", label: "Seed", int: true, min: 0, max: Number.MAX_SAFE_INTEGER,
-      optional: true },
-  ];
-
-  function fieldError(f) {
-    return document.querySelector(`.field-error[data-for="${f.key}"]`);
-  }
-
-  // One field: {value} (undefined for an empty optional one) or {error}.
-  function parseField(f) {
-    const raw = f.el.value.trim();
-    if (f.el.validity && f.el.validity.badInput) return { error: "not a number" };
-    if (raw === "") return f.optional ? { value: undefined } : { error: "required" };
-    const v = Number(raw);
-    if (!Number.isFinite(v)) return { error: "not a number" };
-    if (f.int && !Number.isInteger(v)) return { error: "must be a whole number" };
-    const tooLow = f.minOpen ? v <= f.min : v < f.min;
-    const hi = f.max !== undefined ? f.max : (f.int ? Number.MAX_SAFE_INTEGER : Infinity);
-    if (tooLow || v > hi) {
-      const range = `${f.minOpen ? "(" : "["}${f.min}, ${f.max !== undefined ? f.max : "∞"}]`;
-      return { error: f.max === undefined && !f.minOpen ? `must be at least ${f.min}` : `must be in ${range}` };
-    }
-    return { value: v };
-  }
-
-  // The sampling parameters, or null (with the errors shown) when one is invalid.
-  function readSettings(focusFirstBad) {
-    const params = {};
-    let firstBad = null;
-    for (const f of fields) {
-      const r = parseField(f);
-      const errEl = fieldError(f);
-      if (r.error) {
-        f.el.setAttribute("aria-invalid", "true");
-        if (errEl) errEl.textContent = `${f.label} ${r.error}.`;
-        if (!firstBad) firstBad = f;
-      } else {
-        f.el.removeAttribute("aria-invalid");
-        if (errEl) errEl.textContent = "";
-        if (r.value !== undefined) params[f.param] = r.value;
-      }
-    }
-    if (firstBad) {
-      if (focusFirstBad) {
-        openSettings(true);
-        firstBad.el.focus();
-      }
-      return null;
-    }
-    return params;
-  }
-
-  function openSettings(open) {
-    ui.settings.classList.toggle("open", open);
-    ui.toggle.setAttribute("aria-expanded", String(open));
-  }
-
-  function saveSettings() {
-    const s = {};
-    for (const f of fields) s[f.key] = f.el.value;
-    s.system = ui.system.value;
-    try {
-      localStorage.setItem(SETTINGS_KEY, JSON.stringify(s));
-    } catch (e) { /* storage off: settings last for this page only */ }
-  }
-
-  function loadSettings() {
-    let s = null;
-    try {
-      s = JSON.parse(localStorage.getItem(SETTINGS_KEY) || "null");
-    } catch (e) { s = null; }
-    if (!s || typeof s !== "object") return;
-    for (const f of fields) if (typeof s[f.key] === "string") f.el.value = s[f.key];
-    if (typeof s.system === "string") ui.system.value = s.system;
-  }
-
-  function resetSettings() {
-    for (const f of fields) f.el.value = DEFAULTS[f.key];
-    ui.system.value = DEFAULTS.system;
-    readSettings(false);
-    saveSettings();
   }
 
   // ---------------------------------------------------------------- wiring
@@ -408,18 +363,10 @@ function startChat() {
   ui.prompt.addEventListener("input", autosize);
   ui.stop.addEventListener("click", stop);
   ui.newChat.addEventListener("click", newChat);
-  ui.toggle.addEventListener("click", () => openSettings(!ui.settings.classList.contains("open")));
-  ui.reset.addEventListener("click", resetSettings);
-  for (const f of fields) {
-    f.el.addEventListener("input", () => { readSettings(false); saveSettings(); });
-  }
-  ui.system.addEventListener("input", saveSettings);
   ui.status.addEventListener("click", reconnectNow);
   window.addEventListener("online", reconnectNow);
   document.addEventListener("visibilitychange", () => { if (!document.hidden) reconnectNow(); });
 
-  loadSettings();
-  readSettings(false);
   updateButtons();
   connect();
   ui.prompt.focus();
