@@ -97,7 +97,8 @@ def create_app(state: GatewayState) -> FastAPI:
     async def on_client_gone(_: Request, __: ClientGone) -> Response:
         return Response(status_code=499)          # nobody reads it: the client has gone
 
-    app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.max_body_bytes,
+                       on_refuse=lambda path: state.metrics.refused(path, "request_too_large"))
     if state.config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=state.config.api_key)
     return app

@@ -1,5 +1,6 @@
 """BodyLimitMiddleware: an HTTP request body over `max_bytes` gets 413 before it is read whole, whether it
-says its length (Content-Length) or streams in chunks."""
+says its length (Content-Length) or streams in chunks. `on_refuse(path)` counts a refusal made here, before
+the app (whose own handlers count the rest)."""
 from __future__ import annotations
 
 import json
@@ -10,8 +11,8 @@ from .http_errors import HTTPError
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, on_refuse=None) -> None:
+        self.app, self.max_bytes, self.on_refuse = app, max_bytes, on_refuse
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -19,6 +20,8 @@ class BodyLimitMiddleware:
             return
         for name, value in scope.get("headers", []):
             if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                if self.on_refuse is not None:
+                    self.on_refuse(scope["path"])
                 await self._refuse(send)
                 return
         seen = 0

@@ -14,7 +14,7 @@ NO_CACHE = {"Cache-Control": "no-cache"}     # revalidated (ETag) each load: an 
 router = APIRouter()
 
 
-@router.get("/", include_in_schema=False)
+@router.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)   # HEAD: uptime checkers
 async def index() -> FileResponse:
     return FileResponse(STATIC_DIR / "index.html", headers=NO_CACHE)
 

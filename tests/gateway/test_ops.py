@@ -78,6 +78,21 @@ def test_health_and_metrics(gateway_url):
     assert ("mii_async_preemptions_total", (("replica", "0"),)) in after
 
 
+def test_too_large_bodies_are_counted_and_head_of_the_page(gateway_url):
+    """A body over the limit is a 413 counted under request_too_large, whether it says its length or comes in
+    chunks; HEAD / answers 200 (uptime checkers), as HEAD /health does."""
+    before = _metrics(gateway_url)
+    big = b"x" * (9 << 20)
+    r = httpx.post(f"{gateway_url}/generate", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = httpx.post(f"{gateway_url}/generate", content=iter([big[:1 << 20]] * 9),
+                   headers={"content-type": "application/json"})           # chunked: no Content-Length
+    assert r.status_code == 413
+    key = ("mii_async_requests_total", (("api", "generate"), ("status", "request_too_large")))
+    assert _metrics(gateway_url).get(key, 0) - before.get(key, 0) == 2
+    assert httpx.head(f"{gateway_url}/", timeout=10).status_code == 200
+
+
 def test_reset_prefix_cache_route(gateway_url):
     """POST /reset_prefix_cache: the replicas forget their cached prefixes; a repeated prompt is then computed
     again (no cached tokens in its usage)."""
