@@ -111,7 +111,7 @@ class GuideCompiler:
     # -- the compile thread ------------------------------------------------------------------------------
     def _run(self, regex: str, fut: Future) -> None:
         try:
-            index, size = self._compile(regex)
+            index, size = self._compile(regex, fut)
         except CompileError as exc:
             err = exc
         except BaseException as exc:  # noqa: BLE001 - never leave a request waiting on a dead future
@@ -140,13 +140,17 @@ class GuideCompiler:
                 return
             self._bytes -= self._indexes.pop(regex)[1]
 
-    def _compile(self, regex: str) -> tuple[Any, int]:
+    def _compile(self, regex: str, fut: Future) -> tuple[Any, int]:
         data = regex.encode("utf-8")
         with self._child_lock:
             with self._lock:
                 if self._closed:
                     raise CompileError("the engine is closing", lasting=False)
                 if not self._wanted.get(regex):
+                    # Out of the table now, under the lock that index() takes: a request that comes for this
+                    # regex from here on starts a compile of its own instead of taking this failed future.
+                    if self._indexes.get(regex, (None,))[0] is fut:
+                        del self._indexes[regex]
                     raise CompileError("no request waits for this guide any more", lasting=False)
             proc = self._live_child()
             try:

@@ -49,14 +49,52 @@ class ToolMode(NamedTuple):
             return self.parameters(self.name)
         if self.choice != "required":
             return None
-        calls = [{"type": "object", "properties": {"name": {"const": n}, "arguments": self.parameters(n)},
-                  "required": ["name", "arguments"], "additionalProperties": False}
-                 for n in (t["function"]["name"] for t in self.tools)]
+        # A tool's local references ("#/$defs/Point": pydantic's nested models) point into its own schema,
+        # which sits deeper here: such a schema moves to the root's $defs, its references rebased there.
+        defs: dict[str, Any] = {}
+        calls = []
+        for i, n in enumerate(t["function"]["name"] for t in self.tools):
+            arguments = self.parameters(n)
+            if _has_local_ref(arguments):
+                defs[f"arguments_{i}"] = _rebased(arguments, f"#/$defs/arguments_{i}")
+                arguments = {"$ref": f"#/$defs/arguments_{i}"}
+            calls.append({"type": "object", "properties": {"name": {"const": n}, "arguments": arguments},
+                          "required": ["name", "arguments"], "additionalProperties": False})
         schema: dict[str, Any] = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
                                   "minItems": 1}
+        if defs:
+            schema["$defs"] = defs
         if not self.parallel:
             schema["maxItems"] = 1
         return schema
+
+
+_DATA_KEYS = ("const", "enum", "default", "examples")     # values, not schemas
+_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")   # name → schema
+
+
+def _has_local_ref(node: Any) -> bool:
+    if isinstance(node, list):
+        return any(map(_has_local_ref, node))
+    if not isinstance(node, dict):
+        return False
+    ref = node.get("$ref")
+    return (isinstance(ref, str) and ref.startswith("#")) or \
+        any(_has_local_ref(list(v.values()) if k in _MAPS and isinstance(v, dict) else v)
+            for k, v in node.items() if k not in _DATA_KEYS)
+
+
+def _rebased(node: Any, base: str) -> Any:
+    """A schema whose local references ("#", "#/…") are made relative to `base`, where it now sits."""
+    if isinstance(node, list):
+        return [_rebased(v, base) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: v if k in _DATA_KEYS else {n: _rebased(sub, base) for n, sub in v.items()}
+           if k in _MAPS and isinstance(v, dict) else _rebased(v, base) for k, v in node.items()}
+    if isinstance(ref := node.get("$ref"), str) and ref.startswith("#"):
+        out["$ref"] = base + ref[1:]
+    return out
 
 
 def tool_mode(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> ToolMode | None:
