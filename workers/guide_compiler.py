@@ -186,15 +186,17 @@ class GuideCompiler:
                                 f"use", lasting=True)
         return CompileError(f"the guide compiler exited ({code}) while compiling it", lasting=False)
 
-    def _frame(self, proc: subprocess.Popen, deadline: float) -> tuple[int, bytes]:
+    def _frame(self, proc: subprocess.Popen, deadline: float) -> tuple[int, bytearray]:
         kind, size = HEADER.unpack(self._read(proc, HEADER.size, deadline))
         if size > self.memory_bytes:
             raise EOFError
         return kind, self._read(proc, size, deadline)
 
     @staticmethod
-    def _read(proc: subprocess.Popen, n: int, deadline: float) -> bytes:
-        """n bytes from the child, or TimeoutError at the deadline, or EOFError if it exited."""
+    def _read(proc: subprocess.Popen, n: int, deadline: float) -> bytearray:
+        """n bytes from the child, or TimeoutError at the deadline, or EOFError if it exited. Not copied into
+        `bytes`: an automaton may be hundreds of MiB, and Index.from_binary reads the bytearray itself (a copy
+        would hold the interpreter's lock, and so every stream of the replica, that much longer)."""
         fd = proc.stdout.fileno()
         poller = select.poll()
         poller.register(fd, select.POLLIN)
@@ -208,7 +210,7 @@ class GuideCompiler:
             if not k:
                 raise EOFError
             got += k
-        return bytes(buf)
+        return buf
 
     def _live_child(self) -> subprocess.Popen:
         if self._child is not None and self._child.poll() is None:
