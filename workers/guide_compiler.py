@@ -7,7 +7,9 @@ limit (`GUIDE_COMPILE_MEMORY_GIB`) and a deadline (`GUIDE_COMPILE_TIMEOUT_S`). P
 and the child is replaced; the replica never stalls or dies for a guide.
 - A failure the same regex would meet again (the deadline, the memory limit, a regex outlines-core refuses) is
   kept, so it fails at once next time; a passing one (the child could not start or read the vocabulary) is not.
-- Compiles run one at a time. One that no request waits for any more (all aborted) is skipped.
+- Compiles run one at a time. One that no request waits for any more (all aborted) is skipped, and one
+  running for over `ABANDON_AFTER_S` when its last request goes is stopped with its child (a restart costs a
+  vocabulary read, so a quick compile is left to finish), so that it holds back no other request's guide.
 - Compiled automata are kept per regex, least recently used dropped past `GUIDE_CACHE_BYTES` of their binary form or
   `GUIDE_CACHE_ENTRIES` regexes.
 """
@@ -37,6 +39,7 @@ GUIDE_START_TIMEOUT_S = 120.0      # a child's start: interpreter, tokenizers, r
 GUIDE_COMPILE_MEMORY_GIB = 8.0
 GUIDE_CACHE_BYTES = 2 << 30
 GUIDE_CACHE_ENTRIES = 256
+ABANDON_AFTER_S = 2.0              # a compile nobody waits for any more is stopped past this (see above)
 # Numbers every automaton compiled in this process, whichever compiler made it: the masks are cached per
 # (automaton, state) in one table (workers/guides.py).
 _AUTOMATON_KEYS = itertools.count(1)
@@ -46,6 +49,10 @@ class CompileError(Exception):
     def __init__(self, message: str, lasting: bool) -> None:
         super().__init__(message)
         self.lasting = lasting          # the same regex would fail again: the failure is kept
+
+
+class _Abandoned(Exception):
+    """The compile in progress is wanted by no request any more."""
 
 
 class GuideCompiler:
@@ -146,16 +153,17 @@ class GuideCompiler:
             with self._lock:
                 if self._closed:
                     raise CompileError("the engine is closing", lasting=False)
-                if not self._wanted.get(regex):
-                    # Out of the table now, under the lock that index() takes: a request that comes for this
-                    # regex from here on starts a compile of its own instead of taking this failed future.
-                    if self._indexes.get(regex, (None,))[0] is fut:
-                        del self._indexes[regex]
-                    raise CompileError("no request waits for this guide any more", lasting=False)
+            if self._unwanted(regex, fut):
+                raise CompileError("no request waits for this guide any more", lasting=False)
             proc = self._live_child()
+            started = time.monotonic()
+            give_up = lambda: time.monotonic() - started > ABANDON_AFTER_S and self._unwanted(regex, fut)  # noqa: E731
             try:
                 write_all(proc.stdin.fileno(), REQUEST.pack(len(data)) + data)
-                kind, payload = self._frame(proc, time.monotonic() + self.timeout_s)
+                kind, payload = self._frame(proc, started + self.timeout_s, give_up)
+            except _Abandoned:
+                self._stop_child()
+                raise CompileError("no request waits for this guide any more", lasting=False) from None
             except TimeoutError:
                 self._stop_child()
                 raise CompileError(f"compiling the guide took longer than {self.timeout_s:g} s", lasting=True) from None
@@ -186,14 +194,26 @@ class GuideCompiler:
                                 f"use", lasting=True)
         return CompileError(f"the guide compiler exited ({code}) while compiling it", lasting=False)
 
-    def _frame(self, proc: subprocess.Popen, deadline: float) -> tuple[int, bytearray]:
-        kind, size = HEADER.unpack(self._read(proc, HEADER.size, deadline))
+    def _unwanted(self, regex: str, fut: Future) -> bool:
+        """True when no request waits for `regex`: its entry then leaves the table, under the lock index() takes,
+        so a request that comes for it from here on starts a compile of its own instead of taking this one's
+        failure."""
+        with self._lock:
+            if self._wanted.get(regex):
+                return False
+            if self._indexes.get(regex, (None,))[0] is fut:
+                del self._indexes[regex]
+            return True
+
+    def _frame(self, proc: subprocess.Popen, deadline: float, give_up=None) -> tuple[int, bytearray]:
+        """One frame from the child; `give_up()` is asked, while the answer has not begun, every 0.25 s."""
+        kind, size = HEADER.unpack(self._read(proc, HEADER.size, deadline, give_up))
         if size > self.memory_bytes:
             raise EOFError
         return kind, self._read(proc, size, deadline)
 
     @staticmethod
-    def _read(proc: subprocess.Popen, n: int, deadline: float) -> bytearray:
+    def _read(proc: subprocess.Popen, n: int, deadline: float, give_up=None) -> bytearray:
         """n bytes from the child, or TimeoutError at the deadline, or EOFError if it exited. Not copied into
         `bytes`: an automaton may be hundreds of MiB, and Index.from_binary reads the bytearray itself (a copy
         would hold the interpreter's lock, and so every stream of the replica, that much longer)."""
@@ -204,8 +224,12 @@ class GuideCompiler:
         view = memoryview(buf)
         while got < n:
             left = deadline - time.monotonic()
-            if left <= 0 or not poller.poll(left * 1000):
+            if left <= 0:
                 raise TimeoutError
+            if not poller.poll(min(left, 0.25) * 1000):
+                if got == 0 and give_up is not None and give_up():
+                    raise _Abandoned
+                continue
             k = os.readv(fd, [view[got:]])
             if not k:
                 raise EOFError

@@ -241,7 +241,8 @@ def test_the_compiler_process_ends_with_its_replica(default_model_dir):
 
     code = ("import sys, time\nfrom mii_async.workers.guide_compiler import GuideCompiler\n"
             "c = GuideCompiler(sys.argv[1], [2], timeout_s=600)\n"
-            "c.index(('guided_regex', '[^\\\\n]{0,1500}'))\ntime.sleep(1.0)\nprint(c._child.pid, flush=True)\n"
+            "c.index(('guided_regex', '[^\\\\n]{0,1500}'))\ntime.sleep(1.0)\n"
+            "while c._child is None:\n    time.sleep(0.1)\nprint(c._child.pid, flush=True)\n"
             "time.sleep(600)\n")
     parent = subprocess.Popen([sys.executable, "-c", code, str(default_model_dir)], stdout=subprocess.PIPE, text=True)
     try:
