@@ -178,7 +178,13 @@ class Sampler:
                 continue
             p = s.params
             if p.repetition_penalty != 1.0:
-                ids = to_device(sorted(set(s.prompt_ids) | set(s.output_ids)), logits.device)
+                # the prompt's distinct ids are put on the device once; an id both there and in the output is
+                # written twice with the same value (each is computed from the logits before the write)
+                if s.penalty_prompt is None or s.penalty_prompt.device != logits.device:
+                    s.penalty_prompt = to_device(sorted(set(s.prompt_ids)), logits.device)
+                ids = s.penalty_prompt
+                if s.output_ids:
+                    ids = torch.cat([ids, to_device(s.output_ids, logits.device)])
                 vals = logits[i, ids]
                 logits[i, ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
             if (p.presence_penalty or p.frequency_penalty) and s.output_ids:

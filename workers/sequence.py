@@ -42,6 +42,8 @@ class Sequence:
     history_free: bool = field(init=False)
     guide: Any = None                    # guided generation: its RequestGuide (workers/guides.py), set at
                                          # admission, advanced by each token read
+    penalty_prompt: Any = None           # repetition penalty: the prompt's distinct ids on the sampler's device,
+                                         # made at its first sampled step (not a set of a long prompt each step)
     # Prompt logprobs (params.prompt_logprobs): the scored positions' values as numpy chunks (own, top ids, top
     # logprobs; workers/prompt_logprobs.py), appended in position order as steps are read and packed (then
     # dropped) for the first token; `num_scored` prompt positions have been planned (position p gives token

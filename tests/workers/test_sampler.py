@@ -46,6 +46,26 @@ def test_filters_match_transformers(params):
     assert torch.allclose(probs, torch.softmax(ref, -1), atol=1e-6)
 
 
+def test_repetition_penalty_follows_a_growing_output_with_the_prompt_put_up_once():
+    """Step after step, the repetition penalty equals transformers' over prompt + output so far (ids in both
+    included); the prompt's ids go to the device once, at the first step, not at every step."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    s = Sampler(30, frozenset({2}), torch.device("cpu"))
+    seq = Sequence(0, [5, 6, 7, 5, 11], SamplingParams(repetition_penalty=1.7))
+    first = None
+    for tok in [None, 7, 20, 20, 3]:
+        if tok is not None:
+            seq.output_ids.append(tok)
+        logits = torch.randn(1, 30)
+        out = logits.clone()
+        s._penalize(out, [seq])
+        ref = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([seq.prompt_ids + seq.output_ids]), logits.clone())
+        assert torch.allclose(out, ref)
+        first = first if first is not None else seq.penalty_prompt
+        assert seq.penalty_prompt is first and first.tolist() == [5, 6, 7, 11]
+
+
 def test_penalties_match_definitions():
     """Repetition penalty equals transformers' processor; presence/frequency follow OpenAI's formula."""
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
