@@ -118,7 +118,7 @@ def test_logprobs_carry_the_chosen_tokens_rank():
     """A sampled row's logprobs carry its token's rank among the row's logprobs: tokens at least as likely, the
     token included (vLLM's count), over the raw logits (a logit bias changes the choice, not the ranks). Greedy
     picks rank 1, or the size of a tie at the top; a seeded draw at a high temperature ranks by the definition."""
-    logits = torch.randn(4, 50) * 2
+    logits = torch.randn(4, 50).clamp(-3, 3) * 2         # under 7: nothing outranks the tie below
     logits[1, :10] = 7.0                                  # a ten-way tie at the top
     s = Sampler(50, frozenset({2}), torch.device("cpu"))
     seqs = [_seq(0, logprobs=2), _seq(1, logprobs=0), _seq(2, temperature=5.0, seed=3, logprobs=1),
