@@ -102,8 +102,8 @@ def schema_regex(schema_json: str) -> str:
 # are Unicode (JSON Schema's patterns are ECMA-262's: ASCII). Each such subschema (or name) is swapped for a
 # marker before compiling (a const integer; a plain name), and the marker in the regex for our own regex.
 _NUMERIC = ("integer", "number")
-_DATA_KEYS = ("const", "enum", "default", "examples")      # values, not schemas: never rewritten
-_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")   # name → schema
+SCHEMA_VALUE_KEYS = ("const", "enum", "default", "examples")   # values, not schemas: never rewritten
+SCHEMA_MAP_KEYS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")   # name → schema
 _TIME = r"(2[0-3]|[01][0-9]):[0-5][0-9]:[0-5][0-9](\.[0-9]+)?(Z|[+-](2[0-3]|[01][0-9]):[0-5][0-9])?"
 _DATE = r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
 _FORMATS = {"time": f'"{_TIME}"', "date": f'"{_DATE}"', "date-time": f'"{_DATE}T{_TIME}"'}   # 4-digit years
@@ -130,8 +130,8 @@ def _holes(node: Any, holes: dict[str, str], base: str) -> Any:
         rest = [t for t in types if t not in _NUMERIC]     # [integer, null] with bounds: one of them, apart
         alts = [{**node, "type": t} for t in types if t in _NUMERIC] + ([{**node, "type": rest}] if rest else [])
         return _holes({"anyOf": alts}, holes, base)
-    out = {k: v if k in _DATA_KEYS else {n: _holes(sub, holes, base) for n, sub in v.items()}
-           if k in _MAPS and isinstance(v, dict) else _holes(v, holes, base) for k, v in node.items()}
+    out = {k: v if k in SCHEMA_VALUE_KEYS else {n: _holes(sub, holes, base) for n, sub in v.items()}
+           if k in SCHEMA_MAP_KEYS and isinstance(v, dict) else _holes(v, holes, base) for k, v in node.items()}
     props = out.get("properties")
     if isinstance(props, dict) and any(map(_needs_escape, props)):
         # outlines-core writes a property's name as it is, unescaped for JSON (a " or \\ or a newline in it

@@ -17,6 +17,7 @@ import re
 from typing import Any, NamedTuple
 
 from ..errors import InvalidParameterError
+from ..guided import SCHEMA_MAP_KEYS, SCHEMA_VALUE_KEYS
 from ..params import SamplingParams
 from .http_errors import bad_request
 
@@ -69,10 +70,6 @@ class ToolMode(NamedTuple):
         return schema
 
 
-_DATA_KEYS = ("const", "enum", "default", "examples")     # values, not schemas
-_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")   # name → schema
-
-
 def _has_local_ref(node: Any) -> bool:
     if isinstance(node, list):
         return any(map(_has_local_ref, node))
@@ -80,8 +77,8 @@ def _has_local_ref(node: Any) -> bool:
         return False
     ref = node.get("$ref")
     return (isinstance(ref, str) and ref.startswith("#")) or \
-        any(_has_local_ref(list(v.values()) if k in _MAPS and isinstance(v, dict) else v)
-            for k, v in node.items() if k not in _DATA_KEYS)
+        any(_has_local_ref(list(v.values()) if k in SCHEMA_MAP_KEYS and isinstance(v, dict) else v)
+            for k, v in node.items() if k not in SCHEMA_VALUE_KEYS)
 
 
 def _rebased(node: Any, base: str) -> Any:
@@ -90,8 +87,8 @@ def _rebased(node: Any, base: str) -> Any:
         return [_rebased(v, base) for v in node]
     if not isinstance(node, dict):
         return node
-    out = {k: v if k in _DATA_KEYS else {n: _rebased(sub, base) for n, sub in v.items()}
-           if k in _MAPS and isinstance(v, dict) else _rebased(v, base) for k, v in node.items()}
+    out = {k: v if k in SCHEMA_VALUE_KEYS else {n: _rebased(sub, base) for n, sub in v.items()}
+           if k in SCHEMA_MAP_KEYS and isinstance(v, dict) else _rebased(v, base) for k, v in node.items()}
     if isinstance(ref := node.get("$ref"), str) and ref.startswith("#"):
         out["$ref"] = base + ref[1:]
     return out
