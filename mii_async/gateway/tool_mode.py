@@ -56,8 +56,8 @@ class ToolMode(NamedTuple):
         calls = []
         for i, n in enumerate(t["function"]["name"] for t in self.tools):
             arguments = self.parameters(n)
-            if _has_local_ref(arguments):
-                defs[f"arguments_{i}"] = _rebased(arguments, f"#/$defs/arguments_{i}")
+            if (rebased := _rebased(arguments, f"#/$defs/arguments_{i}")) != arguments:   # it has local refs
+                defs[f"arguments_{i}"] = rebased
                 arguments = {"$ref": f"#/$defs/arguments_{i}"}
             calls.append({"type": "object", "properties": {"name": {"const": n}, "arguments": arguments},
                           "required": ["name", "arguments"], "additionalProperties": False})
@@ -68,17 +68,6 @@ class ToolMode(NamedTuple):
         if not self.parallel:
             schema["maxItems"] = 1
         return schema
-
-
-def _has_local_ref(node: Any) -> bool:
-    if isinstance(node, list):
-        return any(map(_has_local_ref, node))
-    if not isinstance(node, dict):
-        return False
-    ref = node.get("$ref")
-    return (isinstance(ref, str) and ref.startswith("#")) or \
-        any(_has_local_ref(list(v.values()) if k in SCHEMA_MAP_KEYS and isinstance(v, dict) else v)
-            for k, v in node.items() if k not in SCHEMA_VALUE_KEYS)
 
 
 def _rebased(node: Any, base: str) -> Any:

@@ -33,7 +33,7 @@ def rope_config(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
                                     f"supported), got {rope!r}")
     theta = float(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    kind = _kind(scaling)
     if kind not in ROPE_TYPES:
         raise UnsupportedModelError(f"{field}.rope_type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
     for key in _REQUIRED[kind]:
