@@ -32,11 +32,25 @@ def _kernel(module: str, name: str, dtype: torch.dtype, defines: tuple[str, ...]
     return _module(module, defines).get_function(f"{name}_{SUFFIX[dtype]}")
 
 
+class _StreamHandle:
+    """A raw cudaStream_t under the CUDA stream protocol, which CuPy ≥ 14 takes in place of ExternalStream."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return 0, self.handle
+
+
 @functools.cache
 def _stream(handle: int, device: int):
     import cupy as cp
 
-    return cp.cuda.ExternalStream(handle, device)
+    from_external = getattr(cp.cuda.Stream, "from_external", None)
+    if from_external is None:                       # CuPy 13
+        return cp.cuda.ExternalStream(handle, device)
+    with cp.cuda.Device(device):
+        return from_external(_StreamHandle(handle))
 
 
 @functools.cache

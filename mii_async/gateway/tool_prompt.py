@@ -18,7 +18,7 @@ import json
 from typing import Any
 
 from ..errors import InvalidParameterError
-from ..router.prompts import MAX_MESSAGES
+from ..router.prompts import MAX_MESSAGES, render_template
 from .tool_mode import ToolMode
 from .tool_parser import CLOSE, OPEN
 
@@ -54,24 +54,16 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], mode: ToolMode |
         raise InvalidParameterError("messages", "this model's tokenizer has no chat template")
     tools = mode.tools if mode is not None and mode.choice != "none" else None
     plain = fallback_messages(messages)
-    without = _apply(tokenizer, plain, None, add_generation_prompt)
+    without = render_template(tokenizer, plain, None, add_generation_prompt)
     try:
-        knows = _apply(tokenizer, plain, tools or [PROBE_TOOL], add_generation_prompt) != without
+        knows = render_template(tokenizer, plain, tools or [PROBE_TOOL], add_generation_prompt) != without
     except InvalidParameterError:          # a template that refuses tools does not know them either
         knows = False
     if knows:
-        return _apply(tokenizer, messages, tools, add_generation_prompt)
+        return render_template(tokenizer, messages, tools, add_generation_prompt)
     if not tools:
         return without
-    return _apply(tokenizer, with_tool_section(plain, tools, mode.parallel), None, add_generation_prompt)
-
-
-def _apply(tokenizer: Any, messages: list[dict[str, Any]], tools: list | None, add_generation_prompt: bool) -> str:
-    try:
-        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                             tokenize=False)
-    except Exception as exc:  # noqa: BLE001 - a template's own raise_exception, or one that needs what we lack
-        raise InvalidParameterError("messages", f"the chat template cannot render these messages: {exc}") from None
+    return render_template(tokenizer, with_tool_section(plain, tools, mode.parallel), None, add_generation_prompt)
 
 
 def tool_section(tools: list[dict[str, Any]], parallel: bool) -> str:

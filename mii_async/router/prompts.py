@@ -54,5 +54,16 @@ class PromptEncoder:
             check_text(f"messages[{i}]", m)
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidParameterError("messages", "this model's tokenizer has no chat template")
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False)
+        return render_template(self.tokenizer, messages, None, add_generation_prompt)
+
+
+def render_template(tokenizer: Any, messages: list[dict[str, Any]], tools: list | None,
+                    add_generation_prompt: bool) -> str:
+    """The chat template's text. Roles are the template's to accept: one it refuses (its own
+    `raise_exception`, as Mistral's does for a role it lacks), or messages it cannot render, are the caller's
+    error, named `messages`."""
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                             tokenize=False)
+    except Exception as exc:  # noqa: BLE001 - jinja2's TemplateError, or a template that needs what we lack
+        raise InvalidParameterError("messages", f"the chat template cannot render these messages: {exc}") from None
