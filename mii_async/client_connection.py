@@ -46,7 +46,8 @@ class Connection:
         self._pings = itertools.count()
         self._ping_marks: dict[str, int] = {}
         self._missed: dict[str, int] = {}     # pings in a row whose answer left a stream out
-        self._bg: set[asyncio.Task] = set()
+        self._told: set[str] = set()          # streams given their Lost (once: one nobody reads would pile them)
+        self._bg: dict[asyncio.Task, P.Message] = {}   # `send_later`'s sends in flight, and what each sends
         self.tasks = [loop.create_task(self._read()), loop.create_task(self._ping())]
 
     def outstanding(self) -> bool:
@@ -64,12 +65,24 @@ class Connection:
         self.streams.pop(req_id, None)
         self.sent_at.pop(req_id, None)
         self._missed.pop(req_id, None)
+        self._told.discard(req_id)
+
+    def _lose(self, req_id: str, err: str) -> None:
+        """Tells a stream that the router lost it or went silent, once."""
+        if req_id not in self._told:
+            self._told.add(req_id)
+            self.streams[req_id].put_nowait(Lost(err))
 
     def send_later(self, msg: P.Message) -> None:
         """Sends from code that must not await (a `finally` during cancellation)."""
         task = self.loop.create_task(self.sock.send(msg))
-        self._bg.add(task)
-        task.add_done_callback(self._bg.discard)
+        self._bg[task] = msg
+        task.add_done_callback(self._sent_later)
+
+    def _sent_later(self, task: asyncio.Task) -> None:
+        self._bg.pop(task, None)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.debug("a deferred send failed: %s", exc)     # (retrieved: no "never retrieved" at collection)
 
     async def _read(self) -> None:
         while True:
@@ -112,9 +125,8 @@ class Connection:
                 continue
             self._missed[req_id] = self._missed.get(req_id, 0) + 1
             if self._missed[req_id] >= 2:
-                self.streams[req_id].put_nowait(Lost(
-                    f"the router at {self.client.address} does not know this request: it restarted (or lost "
-                    "it) since the request was sent"))
+                self._lose(req_id, f"the router at {self.client.address} does not know this request: it "
+                                   "restarted (or lost it) since the request was sent")
                 self.sent_at.pop(req_id)
 
     async def _ping(self) -> None:
@@ -125,15 +137,15 @@ class Connection:
             if not self.outstanding():
                 continue
             if time.monotonic() - max(self.last_heard, self.busy_since) > c.timeout_s:
-                self.fail_all(f"the router at {c.address} has not answered for {c.timeout_s:.0f} s")
+                self.fail_all(f"the router at {c.address} has not answered for {c.timeout_s:g} s")
                 continue
             if pending is None or pending.done():     # a send blocks while no connection is up
                 pending = self.loop.create_task(self._send_ping())
 
     def fail_all(self, err: str) -> None:
         self._ping_marks.clear()
-        for q in self.streams.values():
-            q.put_nowait(Lost(err))
+        for req_id in self.streams:
+            self._lose(req_id, err)
         for fut in self.queries.values():
             if not fut.done():
                 fut.set_exception(UnavailableError(err))
@@ -145,7 +157,7 @@ class Connection:
             await within(self.sock.send(msg), self.client.timeout_s)
         except asyncio.TimeoutError:
             raise UnavailableError(f"could not reach the router at {self.client.address} "
-                                   f"within {self.client.timeout_s:.0f} s") from None
+                                   f"within {self.client.timeout_s:g} s") from None
 
     def close(self) -> None:
         """Fails what is outstanding and closes the socket, on this connection's loop. The router is told to
@@ -153,10 +165,13 @@ class Connection:
         Aborts get ABORT_LINGER_S to leave, during which the context's term() waits."""
         live = list(self.streams)
         self.fail_all("the client was closed")
-        for t in self.tasks:
+        # `send_later`'s sends not made yet (a stream's Abort as it ended): made now, as the socket closes under
+        # them (a send task run after it would fail, and its Abort be lost).
+        later = [msg for t, msg in self._bg.items() if not t.done()]
+        for t in [*self.tasks, *self._bg]:
             if not self.loop.is_closed():        # (a loop closed with them pending cannot take the cancel)
                 t.cancel()
-        sent = [req_id for req_id in live if self.sock.send_nowait(P.Abort(req_id))]
+        sent = [m for m in [*(P.Abort(req_id) for req_id in live), *later] if self.sock.send_nowait(m)]
         self.sock.close(linger_s=ABORT_LINGER_S if sent else 0.0)
 
 

@@ -282,3 +282,44 @@ def test_a_cancel_as_the_send_completes_is_not_lost():
             await within(asyncio.sleep(5), 0.05)
 
     asyncio.run(slow())
+
+
+def test_a_silent_router_tells_a_slow_reader_once():
+    """A router that answers one token and then goes silent: the stream's reader, busy while the client's
+    pings go unanswered past timeout_s, finds one Lost waiting (not one per ping), then UnavailableError. A
+    close() right after still sends the stream's Abort (the router may only have stalled)."""
+    import zmq.asyncio
+
+    from mii_async import protocol as P
+    from mii_async.async_client import AsyncClient
+    from mii_async.errors import UnavailableError
+    from mii_async.transport import RouterSocket
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        router = RouterSocket(ctx, "tcp://127.0.0.1:0")
+        client = AsyncClient(router.address, ping_s=0.05, timeout_s=0.3)
+        try:
+            stream = client.stream("hi", max_new_tokens=8)
+            first = asyncio.ensure_future(stream.__anext__())
+            got = await router.recv()                 # the Generate; answer one token, then nothing
+            assert isinstance(got.message, P.Generate)
+            await router.send(got.peer, P.Delta(got.message.req_id, "Paris", [42]))
+            assert (await first).text == "Paris"
+            await asyncio.sleep(1.2)                  # ~18 pings' time, all past timeout_s
+            (conn,) = client._conns.values()
+            queued = list(conn.streams[got.message.req_id]._queue)
+            assert len(queued) == 1, queued
+            with pytest.raises(UnavailableError, match="has not answered for 0.3 s"):
+                await stream.__anext__()
+            client.close()                            # at once: the stream's Abort leaves with the socket
+            seen = []
+            while not any(isinstance(m, P.Abort) for m in seen):
+                seen.append((await asyncio.wait_for(router.recv(), 5)).message)
+            assert P.Abort(got.message.req_id) in seen
+        finally:
+            client.close()
+            router.close()
+            await asyncio.sleep(0.05)                 # the cancelled reader and pinger finish on this loop
+            ctx.term()
+    asyncio.run(main())
