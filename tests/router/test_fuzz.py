@@ -74,3 +74,34 @@ def test_router_survives_malformed_frames(deployment):
         from tests.mesh_helpers import kv_idle
         await kv_idle(deployment, timeout_s=60)
     asyncio.run(abort_leftovers())
+
+
+def test_stats_reports_count_only_from_the_replicas_leader(deployment):
+    """A peer on the workers' socket that is not a replica's leader cannot answer the router's stats queries:
+    a flood of StatsReports for every likely token leaves the counters the engine's own."""
+    import threading
+
+    ctx = zmq.Context()
+    w = ctx.socket(zmq.DEALER)
+    w.setsockopt(zmq.LINGER, 0)
+    w.connect(deployment.run(deployment.health())["worker_address"])
+    stop = threading.Event()
+    bogus = {k: 10**9 for k in P.ENGINE_COUNTERS}
+
+    def flood() -> None:
+        while not stop.is_set():
+            for token in range(40):         # the router numbers its queries from 0
+                w.send(P.encode(P.StatsReport(token, 0, bogus)))
+            stop.wait(0.005)
+
+    t = threading.Thread(target=flood, daemon=True)
+    t.start()
+    try:
+        for _ in range(30):
+            stats = deployment.run(deployment.stats())
+            assert stats["num_blocks"] < 10**9 and stats["running"] < 10**9, stats
+    finally:
+        stop.set()
+        t.join()
+        w.close()
+        ctx.term()
