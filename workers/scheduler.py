@@ -78,7 +78,8 @@ class Scheduler:
         prompt chunks of running sequences, then of waiting ones (FCFS).
         A sequence is sampled when its chunk reaches its last known token. When the pool runs out for a running
         sequence, the newest running sequence is preempted (blocks freed, requeued for recompute) until the
-        older one fits; waiting sequences only take free blocks, so admission never evicts running work.
+        older one fits; the newest itself takes what fits, or waits. Waiting sequences only take free blocks,
+        so admission never evicts running work.
         """
         budget = self.config.max_batch_tokens
         bm, bs = self.bm, self.bm.block_size
@@ -131,13 +132,18 @@ class Scheduler:
                 score_left -= used
             while bm.blocks_needed(seq, n) > bm.num_free:
                 victim = self.running[-1]
+                if victim is seq:
+                    # The newest has no one newer to take blocks from. Preempted, it would go to the front of
+                    # the queue and be readmitted (this step) on the same free blocks, its K/V computed again
+                    # from position 0: it takes what fits, or waits holding its blocks until an older
+                    # request ends or preempts it (the oldest always fits: no request outgrows the pool).
+                    n = min(n, bm.max_appendable(seq))
+                    break
                 if id(victim) in chosen:
                     budget += chosen.pop(id(victim))[1]
                 self._preempt(victim)
                 preempted += 1
-                if victim is seq:
-                    break
-            if seq.status is Status.RUNNING:
+            if n > 0:
                 bm.append(seq, n)
                 chosen[id(seq)] = (seq, n)
                 budget -= n
