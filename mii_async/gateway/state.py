@@ -77,7 +77,7 @@ class GatewayState:
             try:
                 h = await asyncio.wait_for(self.client.health(), 5.0)
             except Exception as exc:  # noqa: BLE001 - any failure to answer means unavailable
-                h = {"state": "unavailable", "error": f"the router does not answer: {exc or type(exc).__name__}",
+                h = {"state": "unavailable", "error": f"the router does not answer: {str(exc) or type(exc).__name__}",
                      "replicas": []}
             self._health = (time.monotonic(), h)
             if "error" not in h and not self.config.served_model_name and h.get("model_name"):

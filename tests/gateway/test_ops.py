@@ -215,7 +215,7 @@ def test_worker_death_mid_stream_and_health(small):
 
 
 def test_health_is_503_without_a_router(tmp_path):
-    """A gateway whose router does not answer starts, and /health says 503 unavailable."""
+    """A gateway whose router does not answer starts, and /health says 503 unavailable, naming the cause."""
     import socket
 
     from mii_async.config import HttpConfig
@@ -228,6 +228,7 @@ def test_health_is_503_without_a_router(tmp_path):
     try:
         r = httpx.get(f"{gw.url}/health", timeout=30)
         assert r.status_code == 503 and r.json()["status"] == "unavailable"
+        assert not r.json()["error"].endswith(": "), r.json()["error"]     # a timeout's str() is empty
     finally:
         gw.stop()
     assert not wait_gone([gw.pid])
