@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -54,8 +55,8 @@ def _from_exception(exc: BaseException, rename: dict[str, str] | None) -> HTTPEr
     if isinstance(exc, InvalidParameterError):
         param = (rename or {}).get(exc.param, exc.param)
         message = str(exc)
-        if param != exc.param and message.startswith(exc.param + ":"):
-            message = param + message[len(exc.param):]
+        for ours, theirs in (rename or {}).items():      # the message says what the caller sent, too
+            message = re.sub(rf"\b{re.escape(ours)}\b", theirs, message)
         return HTTPError(400, message, "invalid_request_error", param, code)
     if isinstance(exc, ModelNotFoundError):
         return HTTPError(404, str(exc), "not_found_error", "model", code)

@@ -29,6 +29,7 @@ def test_errors_in_openai_format(oai, model, gateway_url):
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(model=model, prompt="x", max_tokens=10 ** 6)
     assert e.value.body["param"] == "max_tokens" and e.value.body["code"] == "request_too_long"
+    assert "max_tokens (1000000)" in e.value.body["message"] and "max_new_tokens" not in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=model, messages=[{"role": "wizard", "content": "x"}], max_tokens=2)
     assert e.value.body["param"] == "messages[0].role"
