@@ -124,9 +124,10 @@ class DecodeGraphs:
         """Logits [len(plan.seqs), V] of a decode-only step from its graph; None when no graph fits it.
         `pending`: the ids of the step in flight, which placeholder ids stand for (async scheduling)."""
         n = len(plan.seqs)
-        # A graph returns a row's logits for every row, so each must be sampled. The scheduler puts sampled
-        # one-token rows before unsampled ones (a chunk cut short), so the last row tells.
-        if plan.num_decodes != n or n > self.buckets[-1] or not plan.seqs[-1].sample or plan.num_scored:
+        # A graph returns a row's logits for every row, so each must be sampled: a one-token row that is not
+        # (a prompt chunk cut to one token) sends the step to the eager path, wherever it sits in the plan.
+        if (plan.num_decodes != n or n > self.buckets[-1] or plan.num_scored
+                or not all(s.sample for s in plan.seqs)):
             return None
         starts = [s.start_pos for s in plan.seqs]
         longest = max(starts) + 1

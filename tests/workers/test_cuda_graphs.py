@@ -59,6 +59,20 @@ def test_graph_logits_match_eager_in_bf16(tmp_path):
     assert torch.linalg.norm(graphed - eager) / torch.linalg.norm(eager) < 1e-2
 
 
+def test_an_unsampled_one_token_row_anywhere_takes_the_eager_path(tmp_path):
+    """A graph gives logits for every row, the sampler takes one per sampled row: a decode-only plan with an
+    unsampled one-token row (a prompt chunk cut to one token) ahead of sampled ones is not replayed."""
+    path = _model(tmp_path, 256, 4, 1, 2048)
+    engine = make_engine(path, device="cuda", dtype="float32", num_blocks=512, kernels="cuda", max_num_seqs=4)
+    three_decoding(engine, random.Random(5))
+    plan = engine.scheduler.schedule()
+    assert plan.num_decodes == 3 and all(s.sample for s in plan.seqs)
+    assert engine.runner.graphs.run(plan) is not None
+    plan.seqs[0].sample = False
+    assert engine.runner.graphs.run(plan) is None
+    assert engine.runner.execute(plan).shape[0] == 2          # the eager path: the two sampled rows' logits
+
+
 def test_memory_plan_sizes_the_pool(tmp_path):
     """With no kv_cache_memory on a GPU, the pool is what gpu_memory_utilization leaves after a profiling step;
     what is allocated stays within that share; an impossible share is an error naming it."""
