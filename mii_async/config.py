@@ -75,7 +75,8 @@ class CacheConfig:
 class SchedulerConfig:
     max_batch_tokens: int | None = None  # SplitFuse token budget per step (decodes + prompt chunks); None: 512 on
                                          # CPU, 2048 on a GPU
-    max_num_seqs: int | None = None      # running sequences at most; None: 64 on CPU, 256 on a GPU
+    max_num_seqs: int | None = None      # running sequences at most; None: 64 on CPU, 256 on a GPU (at most
+                                         # max_batch_tokens: a step decodes every running sequence)
     async_scheduling: bool | None = None  # plan and launch step N+1 while step N runs, its sampled ids still on
                                           # the device; None: on a GPU, for a replica of one process
     max_mixed_batch_tokens: int | None = None  # the budget of a step that carries decodes, whose length is every
@@ -95,6 +96,9 @@ class SchedulerConfig:
         _pos_int(self, "max_num_seqs", optional=True)
         _pos_int(self, "max_mixed_batch_tokens", optional=True)
         _pos_int(self, "step_token_multiple", optional=True)
+        if self.max_batch_tokens and self.max_num_seqs and self.max_batch_tokens < self.max_num_seqs:
+            raise InvalidParameterError("max_batch_tokens", f"must be at least max_num_seqs ({self.max_num_seqs}): "
+                                        f"a step decodes every running sequence; got {self.max_batch_tokens}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise InvalidParameterError("async_scheduling", f"must be true, false or null, got {self.async_scheduling!r}")
 
@@ -102,7 +106,8 @@ class SchedulerConfig:
         """This config with the device's defaults in place of None."""
         tokens, seqs, mixed, multiple = self.DEFAULTS["cuda" if device_type == "cuda" else "cpu"]
         tokens = self.max_batch_tokens or tokens
-        return SchedulerConfig(tokens, self.max_num_seqs or seqs, self.async_scheduling,
+        seqs = self.max_num_seqs or min(seqs, tokens)    # no more running than one step can decode
+        return SchedulerConfig(tokens, seqs, self.async_scheduling,
                                min(self.max_mixed_batch_tokens or mixed or tokens, tokens),
                                self.step_token_multiple or multiple)
 

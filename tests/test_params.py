@@ -71,6 +71,19 @@ def test_mixed_budget_defaults():
     assert SchedulerConfig(step_token_multiple=128).resolved("cpu").step_token_multiple == 128
 
 
+def test_running_sequences_fit_one_step():
+    """A step decodes every running sequence: max_num_seqs above max_batch_tokens is refused, naming the budget,
+    and a default max_num_seqs comes down to a small budget."""
+    from mii_async.config import SchedulerConfig
+    with pytest.raises(InvalidParameterError) as info:
+        EngineConfig.from_kwargs(None, max_batch_tokens=16, max_num_seqs=64)
+    assert info.value.param == "max_batch_tokens" and "max_num_seqs (64)" in str(info.value)
+    assert SchedulerConfig(max_batch_tokens=16).resolved("cpu").max_num_seqs == 16
+    assert SchedulerConfig(max_batch_tokens=100).resolved("cuda").max_num_seqs == 100
+    assert SchedulerConfig(max_batch_tokens=64, max_num_seqs=64).resolved("cpu").max_num_seqs == 64
+    assert SchedulerConfig().resolved("cuda").max_num_seqs == 256
+
+
 def test_normalisation():
     """A single stop string becomes a tuple, top_k=-1 means off, dtype aliases resolve."""
     p = SamplingParams(stop="\n", top_k=-1)

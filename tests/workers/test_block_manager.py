@@ -24,6 +24,7 @@ def test_scheduler_never_loses_blocks(requests, num_blocks, block_size, budget, 
     a step with decodes stays within the mixed budget (or its decodes); with a step token multiple, a step is
     a multiple of it unless none of its chunks could give up the rest."""
     bm = BlockManager(num_blocks, block_size, caching)
+    max_seqs = min(max_seqs, budget)                  # a config allows no more running than a step decodes
     config = SchedulerConfig(max_batch_tokens=budget, max_num_seqs=max_seqs, max_mixed_batch_tokens=mixed,
                              step_token_multiple=multiple)
     sched = Scheduler(config.resolved("cpu"), bm)
