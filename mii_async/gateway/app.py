@@ -8,6 +8,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from .auth import APIKeyMiddleware
 from .body_limit import BodyLimitMiddleware
@@ -94,7 +95,8 @@ def create_app(state: GatewayState) -> FastAPI:
                          "internal_error").response()
 
     @app.exception_handler(ClientGone)
-    async def on_client_gone(_: Request, __: ClientGone) -> Response:
+    @app.exception_handler(ClientDisconnect)      # gone while it sent its body: not a fault of ours
+    async def on_client_gone(_: Request, __: Exception) -> Response:
         return Response(status_code=499)          # nobody reads it: the client has gone
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.max_body_bytes,

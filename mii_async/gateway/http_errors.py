@@ -56,7 +56,8 @@ def _from_exception(exc: BaseException, rename: dict[str, str] | None) -> HTTPEr
         param = (rename or {}).get(exc.param, exc.param)
         message = str(exc)
         for ours, theirs in (rename or {}).items():      # the message says what the caller sent, too
-            message = re.sub(rf"\b{re.escape(ours)}\b", theirs, message)
+            # not "the prompt's 9001 tokens" → "the messages's …": a possessive stays the plain word
+            message = re.sub(rf"\b{re.escape(ours)}\b(?!')", theirs, message)
         return HTTPError(400, message, "invalid_request_error", param, code)
     if isinstance(exc, ModelNotFoundError):
         return HTTPError(404, str(exc), "not_found_error", "model", code)

@@ -92,13 +92,20 @@ def _n(body: _Common) -> int:
     return n
 
 
-def _jobs(prompts: list[Any], params: dict[str, Any], n: int) -> list[Job]:
+def chat_rename(body: ChatCompletionRequest) -> dict[str, str]:
+    """Our names → the chat request's: max_new_tokens is max_completion_tokens when the caller sent that."""
+    if body.max_completion_tokens is not None:
+        return {**CHAT_RENAME, "max_new_tokens": "max_completion_tokens"}
+    return CHAT_RENAME
+
+
+def _jobs(prompts: list[Any], params: dict[str, Any], n: int, rename: dict[str, str] = RENAME) -> list[Job]:
     try:
         SamplingParams.from_kwargs(**params)
     except InvalidParameterError as exc:
         from .http_errors import from_exception
 
-        raise from_exception(exc, RENAME) from None
+        raise from_exception(exc, rename) from None
     if len(prompts) * n > MAX_CHOICES:
         raise bad_request("prompt" if n == 1 else "n", f"{len(prompts)} prompts × n={n} exceeds {MAX_CHOICES} "
                           "choices in one request")
@@ -270,7 +277,7 @@ async def chat_plan(body: ChatCompletionRequest, state: GatewayState) -> tuple[l
         raise bad_request("top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}")
     if body.logprobs:
         params["logprobs"] = body.top_logprobs or 0
-    return _jobs([prompt], params, n), (mode if mode is not None and mode.choice != "none" else None)
+    return _jobs([prompt], params, n, chat_rename(body)), (mode if mode is not None and mode.choice != "none" else None)
 
 
 async def _tool_prompt(state: GatewayState, messages: list[dict[str, Any]], mode: ToolMode | None) -> list[int]:

@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse
 from ..errors import GenerationError, MIIAsyncError
 from ..outputs import Logprob, StreamChunk
 from .http_errors import HTTPError, from_exception
-from .openai_params import CHAT_RENAME, RENAME, chat_plan, completion_jobs
+from .openai_params import CHAT_RENAME, RENAME, chat_plan, chat_rename, completion_jobs
 from .openai_schemas import ChatCompletionRequest, CompletionRequest
 from .sse import DONE, EventStream, event, until_disconnect
 from .state import GatewayState
@@ -83,13 +83,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     try:
         jobs, tools = await chat_plan(body, s)
     except MIIAsyncError as exc:
-        raise from_exception(exc, CHAT_RENAME) from None
+        raise from_exception(exc, chat_rename(body)) from None
     return await _answer(s, request, "chat", jobs, body, chat=True, tools=tools, rename=_chat_rename(body, tools))
 
 
 def _chat_rename(body: ChatCompletionRequest, tools: ToolMode | None) -> dict[str, str]:
     """Our names → the chat request's: a guide the replica refuses is named as the caller gave it."""
-    rename = dict(CHAT_RENAME)
+    rename = dict(chat_rename(body))
     if isinstance(body.response_format, dict) and body.response_format.get("type") in ("json_object", "json_schema"):
         rename["guided_json"] = "response_format"
     elif tools is not None and tools.guided_json() is not None:

@@ -75,7 +75,7 @@ async def _generate(s: GatewayState, request: Request, body: Any):
     try:
         opened = await until_disconnect(request, open_streams(s, "generate", jobs))
     except MIIAsyncError as exc:
-        raise from_exception(exc, counted=True) from None
+        raise _refused(exc, jobs) from None
     if stream:
         return EventStream(_events(opened))
     try:
@@ -101,6 +101,19 @@ async def _generate(s: GatewayState, request: Request, body: Any):
             answer["prompt_logprobs"] = _logprobs_json(plps)
         out.append(answer)
     return out
+
+
+def _refused(exc: MIIAsyncError, jobs: list[Job]) -> HTTPError:
+    """The answer to a prompt the router refused, naming it as the body does: `prompts` (one), `prompts[i]`
+    (the router says `prompt`, or `messages…` for a chat prompt)."""
+    at = "prompts"
+    if len(jobs) > 1 and isinstance(job := getattr(exc, "job", None), Job):
+        at = f"prompts[{job.index}]"
+    param = getattr(exc, "param", None)
+    if param == "prompt" or (isinstance(param, str) and param.startswith("messages")):
+        theirs = at + (param[len("messages"):] if len(jobs) > 1 and param != "prompt" else "")
+        return from_exception(exc, {param: theirs}, counted=True)
+    return from_exception(exc, counted=True)
 
 
 def _logprobs_json(lps: list | None) -> list | None:

@@ -30,14 +30,17 @@ class Opened(NamedTuple):
 
 
 async def open_streams(state: GatewayState, api: str, jobs: list[Job]) -> list[Opened]:
-    """Starts every job and waits for its first chunk; if one is refused, closes the others and raises."""
+    """Starts every job and waits for its first chunk; if one is refused, closes the others and raises (the
+    error's `job` attribute: the refused job, so that a route can name its prompt)."""
     gens = [state.metrics.track(api, state.client.stream(j.prompt, **j.params)) for j in jobs]
     firsts = await asyncio.gather(*(g.__anext__() for g in gens), return_exceptions=True)
-    bad = next((f for f in firsts if isinstance(f, BaseException)), None)
-    if bad is not None:
+    k = next((k for k, f in enumerate(firsts) if isinstance(f, BaseException)), None)
+    if k is not None:
         await asyncio.gather(*(g.aclose() for g in gens), return_exceptions=True)
+        bad = firsts[k]
         if isinstance(bad, StopAsyncIteration):
             raise RuntimeError("a stream ended before its first chunk")
+        bad.job = jobs[k]
         raise bad
     return [Opened(j, f, g) for j, f, g in zip(jobs, firsts, gens)]
 
