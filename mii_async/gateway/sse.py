@@ -66,8 +66,21 @@ class EventStream(Response):
 
         async def pump() -> None:
             try:
-                async for ev in self.events:
-                    await send({"type": "http.response.body", "body": ev.encode(), "more_body": True})
+                try:
+                    async for ev in self.events:
+                        await send({"type": "http.response.body", "body": ev.encode(), "more_body": True})
+                except OSError:
+                    raise                                  # the client is gone
+                except Exception as exc:  # noqa: BLE001 - a fault of ours in the middle of the stream
+                    # The client still gets a well-formed answer (an error event, [DONE], the body's end) rather
+                    # than a connection cut inside a chunked body.
+                    log.error("an event stream failed", exc_info=exc)
+                    from .http_errors import HTTPError
+
+                    err = HTTPError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error", None,
+                                    "internal_error")
+                    await send({"type": "http.response.body", "body": (event(err.body()) + DONE).encode(),
+                                "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             finally:
                 await self.events.aclose()
@@ -83,4 +96,4 @@ class EventStream(Response):
             results = await asyncio.gather(task, watch, return_exceptions=True)
         exc = results[0]
         if isinstance(exc, Exception) and not isinstance(exc, OSError):   # OSError: the client is gone
-            log.error("an event stream failed: %r", exc)
+            log.error("an event stream failed", exc_info=exc)

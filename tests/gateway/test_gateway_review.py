@@ -2,11 +2,17 @@
 caller sent (docs/gateway.md, "Errors" and "Disconnects")."""
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 
 import httpx
+import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.applications import Starlette
+from starlette.routing import Route
+
+from mii_async.gateway.sse import DONE, EventStream, event
 
 LONG = "x " * 9000          # more tokens than the default model's context (8192) or any test KV pool holds
 
@@ -73,3 +79,35 @@ def test_generate_errors_name_the_prompts_field(gateway_url):
                    json={"messages": [{"role": "user", "content": LONG}], "max_tokens": 4})
     err = r.json()["error"]
     assert err["param"] == "messages" and "messages's" not in err["message"], err
+
+
+def test_a_fault_mid_stream_ends_the_event_stream_cleanly():
+    """An event stream whose events fail half way (a fault of ours) still ends as a well-formed answer: the
+    events so far, an error event in OpenAI's shape, [DONE] and the end of the chunked body (not a connection
+    cut inside it, which clients report as a protocol error)."""
+    async def events():
+        yield event({"n": 1})
+        raise RuntimeError("a rendering bug")
+
+    async def route(_request):
+        return EventStream(events())
+
+    async def main() -> list[str]:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        server = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route("/s", route)]), log_level="critical"))
+        task = asyncio.ensure_future(server.serve(sockets=[sock]))
+        try:
+            while not server.started:
+                await asyncio.sleep(0.01)
+            async with httpx.AsyncClient(timeout=10) as http:
+                r = await http.get(f"http://127.0.0.1:{sock.getsockname()[1]}/s")
+                return r.text.split("\n\n")
+        finally:
+            server.should_exit = True
+            await task
+            sock.close()
+
+    parts = asyncio.run(main())
+    assert parts[0] == event({"n": 1}).strip() and parts[2:] == [DONE.strip(), ""], parts
+    assert '"code":"internal_error"' in parts[1] and "a rendering bug" in parts[1], parts
