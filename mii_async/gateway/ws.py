@@ -122,6 +122,9 @@ class WsConnection:
             except ValueError as exc:
                 self._error(None, "invalid_json", f"not JSON: {exc}")
                 continue
+            except RecursionError:      # "[[[[…" within the size limit: it must not end the connection
+                self._error(None, "invalid_json", "not JSON that can be read: nested too deeply")
+                continue
             try:
                 check_json_text(msg["text"], frame)     # a lone surrogate would break this frame's answers too
             except InvalidParameterError as exc:

@@ -3,6 +3,7 @@ caller sent (docs/gateway.md, "Errors" and "Disconnects")."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 
@@ -111,3 +112,21 @@ def test_a_fault_mid_stream_ends_the_event_stream_cleanly():
     parts = asyncio.run(main())
     assert parts[0] == event({"n": 1}).strip() and parts[2:] == [DONE.strip(), ""], parts
     assert '"code":"internal_error"' in parts[1] and "a rendering bug" in parts[1], parts
+
+
+def test_ws_deeply_nested_frame_is_an_error_frame(gateway_url):
+    """A WebSocket frame of JSON nested past the parser's depth (well within the size limit) gets an invalid_json
+    error frame; the connection stays up (it was dropped without a close frame or a word)."""
+    from websockets.asyncio.client import connect
+
+    async def main() -> tuple[dict, dict]:
+        async with connect(gateway_url.replace("http://", "ws://") + "/v1/ws") as ws:
+            await ws.recv()                                                 # hello
+            await ws.send("[" * 100_000 + "]" * 100_000)
+            error = json.loads(await asyncio.wait_for(ws.recv(), 10))
+            await ws.send(json.dumps({"type": "ping", "id": 7}))
+            return error, json.loads(await asyncio.wait_for(ws.recv(), 10))
+
+    error, pong = asyncio.run(main())
+    assert error["type"] == "error" and error["code"] == "invalid_json" and error["id"] is None, error
+    assert pong == {"type": "pong", "id": 7}
