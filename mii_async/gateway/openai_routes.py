@@ -312,8 +312,16 @@ def _text_logprobs(s: GatewayState, lps: list[Logprob | None], offset: int, ids:
         offsets.append(pos)
         pos += len(t)
     return {"tokens": tokens, "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
-            "top_logprobs": [None if lp is None else {s.token_text(i): v for i, v in lp.top[:n]} for lp in lps],
+            "top_logprobs": [None if lp is None else _top(s, lp, t, n) for lp, t in zip(lps, tokens)],
             "text_offset": offsets}
+
+
+def _top(s: GatewayState, lp: Logprob, token: str, n: int | None) -> dict[str, float]:
+    """A token's top_logprobs entry: the top n, and the token itself if it is not among them (as OpenAI and
+    vLLM: up to logprobs + 1 entries, so logprobs=0 still gives the chosen token's)."""
+    top = {s.token_text(i): v for i, v in lp.top[:n]}
+    top.setdefault(token, lp.logprob)
+    return top
 
 
 def _echo_logprobs(s: GatewayState, first: StreamChunk | None, n: int) -> dict:

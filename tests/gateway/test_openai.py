@@ -66,6 +66,10 @@ def test_completions_stop_seed_n_logprobs(oai, model):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert "".join(lp.tokens).startswith(" Paris") and all(v <= 0 for v in lp.token_logprobs)
     assert all(len(top) == 2 for top in lp.top_logprobs)
+    zero = oai.completions.create(model=model, prompt="The capital of France is", max_tokens=3, temperature=1.0,
+                                  seed=3, logprobs=0).choices[0].logprobs
+    assert [list(top.items()) for top in zero.top_logprobs] == \
+        [[(t, v)] for t, v in zip(zero.tokens, zero.token_logprobs)]     # logprobs=0: the chosen token's own
 
 
 def test_completion_streaming_and_chat_logprobs(oai, model):
@@ -162,7 +166,8 @@ def test_completions_echo_with_logprobs(oai, model, deployment):
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     want = [x.logprob for x in ref.prompt_logprobs[1:]] + [x.logprob for x in ref.logprobs]
     assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
-    assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+    assert all(2 <= len(top) <= 3 and top[t] == v                  # the top 2, and the token itself
+               for top, t, v in zip(lp.top_logprobs[1:], lp.tokens[1:], lp.token_logprobs[1:]))
     assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(n + 4)]
     chunks = [ch.choices[0] for ch in oai.completions.create(**kw, stream=True) if ch.choices]
     assert chunks[0].text == prompt and len(chunks[0].logprobs.tokens) == n
@@ -260,7 +265,7 @@ def test_lm_eval_loglikelihood_request(model, deployment, gateway_url):
         ctxlen = len(ids) - 1                          # the last prompt token is the continuation
         assert lp["token_logprobs"][ctxlen:-1] == pytest.approx(want[ctxlen - 1:], abs=1e-4)
         for got, top, x in zip(lp["token_logprobs"][1:-1], lp["top_logprobs"][1:-1], ref.prompt_logprobs[1:]):
-            assert len(top) == 1
+            assert len(top) == (1 if x.top[0][0] == x.token_id else 2)   # the top 1, and the token if not it
             assert (got == max(top.values())) == (x.top[0][0] == x.token_id), (x, top)
 
 
