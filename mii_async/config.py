@@ -107,6 +107,9 @@ class SchedulerConfig:
         tokens, seqs, mixed, multiple = self.DEFAULTS["cuda" if device_type == "cuda" else "cpu"]
         tokens = self.max_batch_tokens or tokens
         seqs = self.max_num_seqs or min(seqs, tokens)    # no more running than one step can decode
+        if seqs > tokens:                                # given, over this device's default budget
+            raise InvalidParameterError("max_num_seqs", f"must be at most max_batch_tokens ({tokens} on {device_type}"
+                                        f"): a step decodes every running sequence; got {seqs}")
         return SchedulerConfig(tokens, seqs, self.async_scheduling,
                                min(self.max_mixed_batch_tokens or mixed or tokens, tokens),
                                self.step_token_multiple or multiple)

@@ -82,6 +82,10 @@ def test_running_sequences_fit_one_step():
     assert SchedulerConfig(max_batch_tokens=100).resolved("cuda").max_num_seqs == 100
     assert SchedulerConfig(max_batch_tokens=64, max_num_seqs=64).resolved("cpu").max_num_seqs == 64
     assert SchedulerConfig().resolved("cuda").max_num_seqs == 256
+    assert SchedulerConfig(max_num_seqs=1024).resolved("cuda").max_num_seqs == 1024     # under the GPU's 2048
+    with pytest.raises(InvalidParameterError) as info:                                # over the CPU's 512
+        SchedulerConfig(max_num_seqs=1024).resolved("cpu")
+    assert info.value.param == "max_num_seqs" and "(512 on cpu)" in str(info.value)
 
 
 def test_normalisation():
