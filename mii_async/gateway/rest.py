@@ -105,13 +105,13 @@ async def _generate(s: GatewayState, request: Request, body: Any):
 
 def _refused(exc: MIIAsyncError, jobs: list[Job]) -> HTTPError:
     """The answer to a prompt the router refused, naming it as the body does: `prompts` (one), `prompts[i]`
-    (the router says `prompt`, or `messages…` for a chat prompt)."""
+    (the router says `prompt`, or `messages…` for a chat prompt, whose message index follows)."""
     at = "prompts"
     if len(jobs) > 1 and isinstance(job := getattr(exc, "job", None), Job):
         at = f"prompts[{job.index}]"
     param = getattr(exc, "param", None)
     if param == "prompt" or (isinstance(param, str) and param.startswith("messages")):
-        theirs = at + (param[len("messages"):] if len(jobs) > 1 and param != "prompt" else "")
+        theirs = at + ("" if param == "prompt" else param[len("messages"):])
         return from_exception(exc, {param: theirs}, counted=True)
     return from_exception(exc, counted=True)
 

@@ -14,6 +14,8 @@ from typing import Any, AsyncIterator, Awaitable, TypeVar
 from fastapi import Request
 from starlette.responses import Response
 
+from .http_errors import HTTPError
+
 log = logging.getLogger("mii_async.gateway")
 T = TypeVar("T")
 DONE = "data: [DONE]\n\n"
@@ -75,8 +77,6 @@ class EventStream(Response):
                     # The client still gets a well-formed answer (an error event, [DONE], the body's end) rather
                     # than a connection cut inside a chunked body.
                     log.error("an event stream failed", exc_info=exc)
-                    from .http_errors import HTTPError
-
                     err = HTTPError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error", None,
                                     "internal_error")
                     await send({"type": "http.response.body", "body": (event(err.body()) + DONE).encode(),

@@ -136,12 +136,11 @@ class WorkerLink:
                 r.counters["failed" if msg.param is None else "rejected"] += 1   # a caller's value: refused
                 await r.end(live, Ended("error", msg.message, msg.param), tell_replica=False)
         elif isinstance(msg, P.StatsReport):
-            found = r.replicas.worker(peer.decode(errors="replace"))
-            if found is not None and found[1] == 0 and found[0].index == msg.replica:
+            rep = r.replicas.replicas.get(msg.replica) if isinstance(msg.replica, int) else None
+            if rep is not None and rep.leader == peer:
                 r.stats_queries.on_report(msg)          # only the replica's leader answers for it
             else:
-                log.debug("a stats report for replica %r from %r, which is not its leader: ignored",
-                            msg.replica, peer)
+                log.debug("a stats report for replica %r from %r, which is not its leader: ignored", msg.replica, peer)
         elif isinstance(msg, P.Hello):
             rep = None
             if msg.worker.encode() == peer and r.state in ("starting", "ready"):
