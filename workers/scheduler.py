@@ -79,7 +79,7 @@ class Scheduler:
         A sequence is sampled when its chunk reaches its last known token. When the pool runs out for a running
         sequence, the newest running sequence is preempted (blocks freed, requeued for recompute) until the
         older one fits; the newest itself takes what fits, or waits. Waiting sequences only take free blocks,
-        so admission never evicts running work.
+        so admission never evicts running work, and a step that preempts admits none.
         """
         budget = self.config.max_batch_tokens
         bm, bs = self.bm, self.bm.block_size
@@ -147,7 +147,9 @@ class Scheduler:
                 bm.append(seq, n)
                 chosen[id(seq)] = (seq, n)
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # A step that preempted admits no one: the preempted sequence, at the queue's head, would be readmitted
+        # at once on the blocks it just gave up, and preempted again by the same growth (vLLM does the same).
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_pending:
                 break                           # preempted with a token in flight: next step, once it is read

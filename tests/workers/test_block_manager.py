@@ -178,3 +178,28 @@ def test_prefix_digests_are_keyed_per_process_and_chained():
                             "print(block_digest(None, [1, 2, 3, 4]).hex())"], capture_output=True, text=True,
                            check=True).stdout.strip()
     assert other != first.hex()
+
+
+def test_a_step_that_preempts_admits_no_one():
+    """An 8- and a 16-token prompt fill a 6-block pool (no prefix cache, so that none of the blocks it gives up
+    comes back to it as a hit); the older one's first decode needs a block, so the newer one is preempted,
+    leaving 3 blocks free. It waits at the queue's head through that step (readmitted on the
+    blocks it just gave up, it would be preempted again by the same growth) and comes back in a later one."""
+    bm = BlockManager(6, 4, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(max_batch_tokens=64, max_num_seqs=4).resolved("cpu"), bm)
+    seqs = {i: Sequence(i, list(range(20 * i, 20 * i + 8 * (i + 1))), SamplingParams(max_new_tokens=8))
+            for i in (0, 1)}
+    for s in seqs.values():
+        sched.add(s)
+    plan = sched.schedule()
+    assert [(s.req_id, len(s.token_ids)) for s in plan.seqs] == [(0, 8), (1, 16)] and bm.num_free == 0
+    _run_plan(sched, plan, seqs)
+    plan = sched.schedule()
+    assert plan.num_preempted == 1 and bm.num_free == 3
+    assert [s.req_id for s in plan.seqs] == [0] and list(sched.waiting) == [seqs[1]]
+    bm.check_invariants(sched.all_seqs())
+    _run_plan(sched, plan, seqs)
+    sched.remove(seqs[0])                          # the older one ends: the next step readmits the newer
+    plan = sched.schedule()
+    assert plan.num_preempted == 0 and [s.req_id for s in plan.seqs] == [1]
+    bm.check_invariants(sched.all_seqs())
