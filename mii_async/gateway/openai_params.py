@@ -54,6 +54,8 @@ def _common(body: _Common) -> dict[str, Any]:
     for name in GUIDED_FIELDS:
         if (v := getattr(body, name)) is not None:
             p[name] = v
+    if body.stream_options is not None and not body.stream:    # as OpenAI and vLLM
+        raise bad_request("stream_options", "stream_options is only allowed with stream: true")
     if (v := body.prompt_logprobs) is not None:
         if body.stream:        # as vLLM: a chunk has no place for them
             raise bad_request("prompt_logprobs", "prompt_logprobs is not available with stream: true")

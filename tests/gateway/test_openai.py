@@ -218,7 +218,7 @@ def test_vllm_prompt_logprobs(model, deployment, gateway_url):
 def test_prompt_logprobs_map_to_sampling_params():
     """The mapping alone (no server): echo with logprobs n asks prompt_logprobs n (vLLM's prompt_logprobs when
     larger); prompt_logprobs alone passes through on both routes; max_tokens 0 with echo, prompt_logprobs with
-    stream and logprobs past 20 are refused naming what the caller sent."""
+    stream, logprobs past 20 and stream_options without stream are refused naming what the caller sent."""
     import asyncio
 
     from mii_async.gateway.http_errors import HTTPError
@@ -235,10 +235,15 @@ def test_prompt_logprobs_map_to_sampling_params():
     assert job.params["prompt_logprobs"] == 0
     for body, param in ((CompletionRequest(prompt="x", echo=True, logprobs=1, max_tokens=0), "max_tokens"),
                         (CompletionRequest(prompt="x", prompt_logprobs=1, stream=True), "prompt_logprobs"),
-                        (CompletionRequest(prompt="x", echo=True, logprobs=21), "logprobs")):
+                        (CompletionRequest(prompt="x", echo=True, logprobs=21), "logprobs"),
+                        (CompletionRequest(prompt="x", stream_options={"include_usage": True}), "stream_options")):
         with pytest.raises(HTTPError) as e:
             completion_jobs(body)
         assert e.value.param == param, body
+    with pytest.raises(HTTPError) as e:            # stream_options without stream, as OpenAI and vLLM refuse it
+        asyncio.run(chat_jobs(ChatCompletionRequest(messages=QUESTION, stream=False,
+                                                    stream_options={"include_usage": True}), None))
+    assert e.value.param == "stream_options"
 
 
 def test_lm_eval_loglikelihood_request(model, deployment, gateway_url):
