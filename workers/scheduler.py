@@ -14,6 +14,7 @@ from .sequence import Sequence, Status
 from .step_plan import ScheduledSeq, StepPlan
 
 
+ADMISSION_WATERMARK = 0.01   # the share of the pool that admission leaves free while others run (vLLM's 1%)
 MAX_SCORED_ROWS = 512   # prompt positions scored for prompt logprobs per step: their fp32 logits rows (and
                         # log-softmax) are [rows, V], 0.26 GB each at a 128k vocabulary
 
@@ -25,6 +26,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()   # FCFS; preempted sequences go back to the front
         self.running: list[Sequence] = []         # admission order: the last is the newest
         self.num_preemptions = 0
+        # Blocks a new request's chunk leaves free when others run: the running decodes' next blocks, which
+        # would otherwise preempt the newcomer at once (its blocks freed, its prompt computed again).
+        self.watermark_blocks = int(block_manager.num_blocks * ADMISSION_WATERMARK)
         self._scheduled: list[tuple[Sequence, int]] = []   # the last plan's (seq, tokens), in plan order
         self._cut: set[int] = set()               # id(seq) of the chunk the last plan cut (step_token_multiple)
 
@@ -78,8 +82,9 @@ class Scheduler:
         prompt chunks of running sequences, then of waiting ones (FCFS).
         A sequence is sampled when its chunk reaches its last known token. When the pool runs out for a running
         sequence, the newest running sequence is preempted (blocks freed, requeued for recompute) until the
-        older one fits; the newest itself takes what fits, or waits. Waiting sequences only take free blocks,
-        so admission never evicts running work, and a step that preempts admits none.
+        older one fits; the newest itself takes what fits, or waits. Waiting sequences only take free blocks, and
+        leave `watermark_blocks` of them while others run, so admission never evicts running work; a step that
+        preempts admits none.
         """
         budget = self.config.max_batch_tokens
         bm, bs = self.bm, self.bm.block_size
@@ -155,7 +160,8 @@ class Scheduler:
                 break                           # preempted with a token in flight: next step, once it is read
             if matched := not seq.block_table:
                 bm.match_prefix(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget, bm.max_appendable(seq))
+            room = bm.max_appendable(seq) - (self.watermark_blocks * bs if self.running else 0)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, room)
             if n > 0 and seq.scoring:
                 n, used = _cap_scored(seq, n, score_left)
                 score_left -= used

@@ -18,16 +18,20 @@ request = st.tuples(prompt, st.integers(1, 12), st.booleans())   # (prompt, max_
 @settings(max_examples=150, deadline=None)
 @given(requests=st.lists(request, min_size=1, max_size=12), num_blocks=st.integers(7, 40),
        block_size=st.sampled_from([1, 2, 4, 8]), budget=st.integers(1, 64), max_seqs=st.integers(1, 8),
-       caching=st.booleans(), mixed=st.none() | st.integers(1, 64), multiple=st.none() | st.integers(1, 16))
-def test_scheduler_never_loses_blocks(requests, num_blocks, block_size, budget, max_seqs, caching, mixed, multiple):
+       caching=st.booleans(), mixed=st.none() | st.integers(1, 64), multiple=st.none() | st.integers(1, 16),
+       watermark=st.integers(0, 3))
+def test_scheduler_never_loses_blocks(requests, num_blocks, block_size, budget, max_seqs, caching, mixed, multiple,
+                                      watermark):
     """Random workloads through the scheduler: no block owned twice, refs exact, all finish, all free at idle;
     a step with decodes stays within the mixed budget (or its decodes); with a step token multiple, a step is
-    a multiple of it unless none of its chunks could give up the rest."""
+    a multiple of it unless none of its chunks could give up the rest; admission's watermark never deadlocks
+    (a request may still grow into the whole pool)."""
     bm = BlockManager(num_blocks, block_size, caching)
     max_seqs = min(max_seqs, budget)                  # a config allows no more running than a step decodes
     config = SchedulerConfig(max_batch_tokens=budget, max_num_seqs=max_seqs, max_mixed_batch_tokens=mixed,
                              step_token_multiple=multiple)
     sched = Scheduler(config.resolved("cpu"), bm)
+    sched.watermark_blocks = watermark
     cap = min(mixed or budget, budget)
     live: dict[int, Sequence] = {}
     for i, (p, n, _) in enumerate(requests):
@@ -203,3 +207,26 @@ def test_a_step_that_preempts_admits_no_one():
     plan = sched.schedule()
     assert plan.num_preempted == 0 and [s.req_id for s in plan.seqs] == [1]
     bm.check_invariants(sched.all_seqs())
+
+
+def test_admission_leaves_the_watermark_while_others_run():
+    """A 200-block pool keeps 2 blocks (1%) from a new request's chunk while another request runs, so the
+    running one's next block does not preempt the newcomer; with no one running, the whole pool is there."""
+    bm = BlockManager(200, 4)
+    sched = Scheduler(SchedulerConfig(max_batch_tokens=2048, max_num_seqs=4).resolved("cpu"), bm)
+    assert sched.watermark_blocks == 2
+    seqs = {0: Sequence(0, list(range(100, 108)), SamplingParams(max_new_tokens=8)),   # 2 blocks
+            1: Sequence(1, list(range(1000)), SamplingParams(max_new_tokens=8))}        # 250 blocks' worth
+    for s in seqs.values():
+        sched.add(s)
+    plan = sched.schedule()
+    assert [(s.req_id, len(s.token_ids)) for s in plan.seqs] == [(0, 8), (1, (200 - 2 - 2) * 4)]
+    assert bm.num_free == 2
+    _run_plan(sched, plan, seqs)
+    plan = sched.schedule()                          # the decode's new block comes from the watermark
+    assert plan.num_preempted == 0 and (plan.seqs[0].req_id, len(plan.seqs[0].block_table)) == (0, 3)
+    bm.check_invariants(sched.all_seqs())
+    alone = BlockManager(200, 4)
+    solo = Scheduler(SchedulerConfig(max_batch_tokens=2048, max_num_seqs=4).resolved("cpu"), alone)
+    solo.add(Sequence(2, list(range(1000)), SamplingParams(max_new_tokens=8)))
+    assert len(solo.schedule().seqs[0].token_ids) == 800 and alone.num_free == 0
