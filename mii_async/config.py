@@ -228,6 +228,7 @@ class HttpConfig:
     served_model_name: str | None = None  # the OpenAI `model` name; None: the model's directory name
     ws_max_message_bytes: int = 1 << 20   # a larger client frame closes the WebSocket (1009)
     ws_send_queue: int = 4096          # frames waiting for a slow reader; past this the socket is closed (1013)
+    ws_send_queue_bytes: int = 64 << 20  # the same bound on their size (a frame with prompt_logprobs can be MBs)
     ws_max_requests: int = 256         # live requests per WebSocket connection
     ws_ping_s: float = 20.0            # WebSocket ping period; no pong within as long: closed
     max_body_bytes: int = 8 << 20      # a larger HTTP request body: 413
@@ -246,7 +247,8 @@ class HttpConfig:
             raise InvalidParameterError("allowed_origins", "must be a list of origins such as "
                                         "'https://app.example.com', or ['*']")
         object.__setattr__(self, "allowed_origins", tuple(o.rstrip("/") for o in origins))
-        for name in ("ws_max_message_bytes", "ws_send_queue", "ws_max_requests", "max_body_bytes"):
+        for name in ("ws_max_message_bytes", "ws_send_queue", "ws_send_queue_bytes", "ws_max_requests",
+                     "max_body_bytes"):
             _pos_int(self, name)
         if isinstance(self.ws_ping_s, bool) or not isinstance(self.ws_ping_s, (int, float)) or self.ws_ping_s <= 0:
             raise InvalidParameterError("ws_ping_s", f"must be a positive number of seconds, got {self.ws_ping_s!r}")

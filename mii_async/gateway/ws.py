@@ -68,7 +68,8 @@ class _Overflow(Exception):
 class WsConnection:
     def __init__(self, state: GatewayState, ws: WebSocket) -> None:
         self.state, self.ws = state, ws
-        self.out: asyncio.Queue[str] = asyncio.Queue(maxsize=state.config.ws_send_queue)
+        self.out: asyncio.Queue[tuple[str, int]] = asyncio.Queue(maxsize=state.config.ws_send_queue)
+        self.queued_bytes = 0           # the UTF-8 size of the frames in `out` (each queued with its size)
         self.live: dict[Any, asyncio.Task] = {}
         self.sent: dict[Any, int] = {}   # tokens sent per live request, for an abort frame's usage
         self.closing = False
@@ -90,7 +91,8 @@ class WsConnection:
                 t.cancel()
             await asyncio.gather(*live, *tasks, return_exceptions=True)
         if self.overflow.is_set():
-            log.warning("closing a WebSocket: its send queue is full (%d frames)", cfg.ws_send_queue)
+            log.warning("closing a WebSocket: its send queue is full (%d frames or %d bytes)", cfg.ws_send_queue,
+                        cfg.ws_send_queue_bytes)
             try:
                 await asyncio.wait_for(self.ws.close(CLOSE_TOO_SLOW, "send queue full: the client reads too slowly"), 5.0)
             except Exception:  # noqa: BLE001 - the peer is stuck or gone; uvicorn drops the connection
@@ -99,15 +101,24 @@ class WsConnection:
     def put(self, frame: dict) -> None:
         if self.closing:
             return
+        text = json.dumps(frame, ensure_ascii=False, separators=(",", ":"))
+        size = len(text.encode())
         try:
-            self.out.put_nowait(json.dumps(frame, ensure_ascii=False, separators=(",", ":")))
+            # a frame larger than the byte bound alone still goes out when nothing waits before it
+            if self.queued_bytes and self.queued_bytes + size > self.state.config.ws_send_queue_bytes:
+                raise asyncio.QueueFull
+            self.out.put_nowait((text, size))
         except asyncio.QueueFull:
             self.closing = True
             self.overflow.set()
+            return
+        self.queued_bytes += size
 
     async def _write(self) -> None:
         while True:
-            await self.ws.send_text(await self.out.get())
+            text, size = await self.out.get()
+            self.queued_bytes -= size
+            await self.ws.send_text(text)
 
     async def _read(self) -> None:
         while True:

@@ -201,10 +201,12 @@ def test_oversize_frame_closes_with_1009(gateway_url):
     assert closed.rcvd is not None and closed.rcvd.code == 1009
 
 
-def test_slow_reader_is_closed_not_buffered(start_gateway, deployment):
-    """A client that asks for much and reads nothing fills its bounded send queue; the gateway closes the
-    socket (1013) instead of growing, and the requests are aborted (KV back at the baseline)."""
-    gw = start_gateway(ws_send_queue=16)
+@pytest.mark.parametrize("bound", [{"ws_send_queue": 16}, {"ws_send_queue_bytes": 16384}], ids=["frames", "bytes"])
+def test_slow_reader_is_closed_not_buffered(start_gateway, deployment, bound):
+    """A client that asks for much and reads nothing fills its bounded send queue (16 frames, or 16 KiB of
+    them); the gateway closes the socket (1013) instead of growing, and the requests are aborted (KV back at
+    the baseline)."""
+    gw = start_gateway(**bound)
 
     async def main():
         await kv_idle(deployment)
