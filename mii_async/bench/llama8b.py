@@ -211,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-token-multiple", type=int, default=None,
                     help="the scheduler's step_token_multiple (default: 64 on a GPU; 1: steps are not cut)")
     ap.add_argument("--repeat", type=int, default=1,
-                    help="mixed with a list of variants (budgets, multiples, num seqs, widths): rounds over them")
+                    help="mixed: rounds over the variants listed (budgets, multiples, num seqs, widths), or runs of the "
+                         "defaults, after one warm-up")
     ap.add_argument("--mma-warps", default=None,
                     help="decode attention's tensor-core kernel at this block width (2 or 4) for every batch "
                          "(default: kernels/decode_attention.py's choice by batch); mixed: a comma list runs the "
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                                            ints(a.mixed_num_seqs) or [None], ints(a.piecewise) or [None],
                                            grids or [None])
                                if (a.mixed_budgets or a.step_token_multiples or a.mixed_num_seqs or len(warps) > 1
-                                   or a.piecewise or grids)
+                                   or a.piecewise or grids or a.repeat > 1)
                                else mixed(engine, early=not a.late_tokens)),
              "profile": lambda: {"bs1": profile(engine, 1), "bs256": profile(engine, 256),
                                  "mixed_128_decodes_1024_prompts": profile(engine, 128, prompt_len=1024),
