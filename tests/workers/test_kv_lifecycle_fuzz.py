@@ -226,6 +226,11 @@ CONFIGS = {
     "sync-context-limit": dict(num_blocks=8, block_size=8, max_batch_tokens=512, max_model_len=48,
                                step_token_multiple=4),
     "async-one-seq": dict(num_blocks=8, block_size=8, max_batch_tokens=8, max_num_seqs=1, async_scheduling=True),
+    # admission's watermark (1% of a real pool) at a share of this small one that it shapes every admission
+    "async-watermark": dict(num_blocks=16, block_size=4, max_batch_tokens=32, async_scheduling=True,
+                            watermark_blocks=3),
+    "sync-watermark-uncached": dict(num_blocks=16, block_size=2, max_batch_tokens=24, enable_prefix_caching=False,
+                                    watermark_blocks=2),
 }
 
 
@@ -234,7 +239,11 @@ def test_random_workloads_keep_kv_accounting_exact(model, reference, name):
     """Random add / abort / step on a small pool: exact accounting after every step, nothing leaked at idle,
     the tokens of every finished request as alone (preemption, prefix hits, async placeholders, guides that
     compile late or fail included)."""
-    engine = guided(make_engine(model, **CONFIGS[name]), FakeCompiler())
+    config = dict(CONFIGS[name])
+    watermark = config.pop("watermark_blocks", None)
+    engine = guided(make_engine(model, **config), FakeCompiler())
+    if watermark is not None:
+        engine.scheduler.watermark_blocks = watermark
     for seed in range(5):
         drive(engine, random.Random(f"{name}/{seed}"), reference, ops=120, first_id=seed * 1000)
     assert engine.scheduler.num_preemptions > 0 or name == "async-one-seq"
