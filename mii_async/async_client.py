@@ -34,9 +34,9 @@ from .errors import (EngineClosedError, InvalidParameterError, RequestTooLongErr
 from .guided import normalize_json_schema
 from .outputs import Logprob, Response, StreamChunk, Usage
 from .params import SamplingParams
-from .router.prompts import check_token_ids, is_messages, is_token_ids
+from .text.prompts import check_token_ids, is_messages, is_token_ids
 from .transport import DealerSocket
-from .unicode_text import check_text
+from .text.unicode_text import check_text
 
 T = TypeVar("T")
 Prompt = Any   # str | list[int] (token ids) | list[dict] (chat messages)

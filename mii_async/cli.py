@@ -232,7 +232,7 @@ def _http_args(p: argparse.ArgumentParser) -> None:
 
 
 def _worker(a: argparse.Namespace) -> int:
-    from .workers.main import run
+    from mii_async.workers.main import run
 
     return run(a)
 
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     _engine_args(c)
     c.set_defaults(func=_chat)
     _serve_parser(sub)
-    from .workers.main import build_parser
+    from mii_async.workers.main import build_parser
 
     w = build_parser(sub.add_parser("worker", help="join a router's mesh as a worker (on this or another host)"))
     w.set_defaults(func=_worker)

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from .config import EngineConfig
 from .errors import EngineClosedError
 from .params import SamplingParams
-from .router.request_state import Ended
+from .text.request_state import Ended
 
 log = logging.getLogger("mii_async.engine")
 Sink = Callable[[Any], None]
@@ -76,7 +76,7 @@ class EngineThread:
         # build of torch, once a second thread has run a parallel region, each thread's team of workers
         # outnumbers the cores and its regions start from sleep (~6× slower small ops on 2 cores).
         try:
-            from .workers.engine import Engine   # lazily: `import mii_async` stays free of torch
+            from mii_async.workers.engine import Engine   # lazily: `import mii_async` stays free of torch
 
             self.engine = eng = Engine(config)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, who raises it

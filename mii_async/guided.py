@@ -4,7 +4,7 @@ A request names at most one of `guided_json` (a JSON schema; `{"type": "object"}
 `guided_regex` or `guided_choice` (a list of strings, one of which is the whole output). Each becomes a regex
 here, through outlines-core's JSON-schema compiler; the replica's engine compiles the regex against its
 tokenizer's vocabulary into a token automaton and masks, at each step, every token that would leave it
-(workers/guides.py). No torch here: the client, the router and the gateway check requests with it.
+(workers/sampling/guides.py). No torch here: the client, the router and the gateway check requests with it.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from decimal import Decimal
 from typing import Any
 
 from .errors import InvalidParameterError
-from .unicode_text import check_text
+from .text.unicode_text import check_text
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice")
 MAX_GUIDE_CHARS = 65536          # a schema's JSON text or a regex

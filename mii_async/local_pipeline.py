@@ -17,8 +17,8 @@ from .engine_thread import EngineThread
 from .errors import InvalidParameterError
 from .outputs import Response, StreamChunk
 from .params import SamplingParams
-from .router.prompts import PromptEncoder, is_messages, is_token_ids
-from .router.request_state import RequestState
+from .text.prompts import PromptEncoder, is_messages, is_token_ids
+from .text.request_state import RequestState
 
 Prompt = Any   # str | list[int] (token ids) | list[dict] (chat messages)
 

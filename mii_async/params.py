@@ -12,7 +12,7 @@ from typing import Any
 
 from .errors import InvalidParameterError
 from .guided import GUIDED_FIELDS, check_regex, normalize_choice, normalize_json_schema, schema_regex
-from .unicode_text import check_text
+from .text.unicode_text import check_text
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16

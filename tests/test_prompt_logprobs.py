@@ -104,7 +104,7 @@ def test_request_state_keeps_logprobs_only_for_a_response(model_dir, prompts):
 
     from mii_async.outputs import Logprob
     from mii_async.params import SamplingParams
-    from mii_async.router.request_state import RequestState
+    from mii_async.text.request_state import RequestState
     from tests.packed_logprobs import pack
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))

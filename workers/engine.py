@@ -24,21 +24,21 @@ from mii_async.params import SamplingParams
 from mii_async.protocol import PromptLogprobs
 from mii_async.request_limits import RequestLimits
 
-from . import kv_cache
-from .block_manager import BlockManager
-from .cuda_graphs import DecodeGraphs, graph_reserve
-from .guide_compiler import GuideCompiler
-from .guides import GuidedRequests
-from .loader import TensorReader, WeightReader, load_spec
-from .memory_plan import MemoryPlan, plan_kv, profile_step, warn_limits
-from .models.llama import LlamaModel
-from .parallel import TPGroup
-from .piecewise_graphs import MAX_TOKENS as PIECEWISE_MAX_TOKENS, PiecewiseGraphs, piecewise_reserve
-from .prompt_logprobs import PendingScores, launch_scores, packed, read_scores
-from .runner import Runner
-from .sampler import PendingSample, Sampler, TokenLogprobs
-from .scheduler import Scheduler
-from .sequence import Sequence, Status
+from .execute import kv_cache
+from .core.block_manager import BlockManager
+from .execute.cuda_graphs import DecodeGraphs, graph_reserve
+from .sampling.guide_compiler import GuideCompiler
+from .sampling.guides import GuidedRequests
+from .model.loader import TensorReader, WeightReader, load_spec
+from .execute.memory_plan import MemoryPlan, plan_kv, profile_step, warn_limits
+from .model.llama import LlamaModel
+from .model.parallel import TPGroup
+from .execute.piecewise_graphs import MAX_TOKENS as PIECEWISE_MAX_TOKENS, PiecewiseGraphs, piecewise_reserve
+from .sampling.prompt_logprobs import PendingScores, launch_scores, packed, read_scores
+from .execute.runner import Runner
+from .sampling.sampler import PendingSample, Sampler, TokenLogprobs
+from .core.scheduler import Scheduler
+from .core.sequence import Sequence, Status
 
 log = logging.getLogger("mii_async.workers.engine")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -107,7 +107,7 @@ class Worker:
             if assign.tensor_parallel > 1:
                 import torch
 
-                from .parallel import TPGroup
+                from .model.parallel import TPGroup
 
                 dev = config.model.device if config.model.device != "auto" else (
                     "cuda" if torch.cuda.is_available() else "cpu")

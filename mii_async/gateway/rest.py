@@ -21,7 +21,7 @@ from fastapi import APIRouter, Body, Request
 
 from ..errors import GenerationError, MIIAsyncError
 from ..params import SamplingParams
-from ..router.prompts import is_messages, is_token_ids
+from ..text.prompts import is_messages, is_token_ids
 from .http_errors import HTTPError, bad_request, from_exception
 from .sse import DONE, EventStream, event, until_disconnect
 from .state import GatewayState

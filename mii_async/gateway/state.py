@@ -106,7 +106,7 @@ class GatewayState:
         if await self._context() is None or self.tokenizer is None:
             return DEFAULT_MAX_TOKENS
         await self.check_size(messages)
-        from ..router.prompts import PromptEncoder
+        from ..text.prompts import PromptEncoder
 
         _, ids = await asyncio.get_running_loop().run_in_executor(None, PromptEncoder(self.tokenizer).encode,
                                                                   messages)
@@ -142,7 +142,7 @@ class GatewayState:
         b = self._bytes.get(token_id)
         if b is None:
             if self._speller is None:
-                from ..token_bytes import TokenSpeller
+                from ..text.token_bytes import TokenSpeller
 
                 self._speller = TokenSpeller.of(self.tokenizer) or False
             if not self._speller:      # no tokenizer, or a slow one without the `tokenizers` backend: its text

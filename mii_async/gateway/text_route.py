@@ -1,6 +1,6 @@
 """CheckedRoute: every JSON body the gateway's routes take is checked for strings that are not Unicode text
 (a lone surrogate, "\\ud800", is legal JSON) before the route parses it, so that any field holding one is
-a 400 naming it, not a 500 from the tokenizer, msgpack or the reply (mii_async/unicode_text.py)."""
+a 400 naming it, not a 500 from the tokenizer, msgpack or the reply (mii_async/text/unicode_text.py)."""
 from __future__ import annotations
 
 from typing import Any, Callable, Coroutine
@@ -9,7 +9,7 @@ from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
 from ..errors import InvalidParameterError
-from ..unicode_text import check_json_text
+from ..text.unicode_text import check_json_text
 from .http_errors import from_exception
 
 

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
 from ..errors import InvalidParameterError
-from ..router.prompts import PromptEncoder
+from ..text.prompts import PromptEncoder
 from .http_errors import HTTPError, bad_request
 from .openai_params import chat_messages, plain_messages
 from .openai_routes import check_model

@@ -18,7 +18,7 @@ import json
 from typing import Any
 
 from ..errors import InvalidParameterError
-from ..router.prompts import MAX_MESSAGES, render_template
+from ..text.prompts import MAX_MESSAGES, render_template
 from .tool_mode import ToolMode
 from .tool_parser import CLOSE, OPEN
 

@@ -25,7 +25,7 @@ from fastapi import APIRouter, WebSocket
 from ..errors import InvalidParameterError, MIIAsyncError, error_code
 from ..outputs import StreamChunk
 from ..params import SamplingParams
-from ..unicode_text import check_json_text, lone_surrogate
+from ..text.unicode_text import check_json_text, lone_surrogate
 from .state import GatewayState
 
 log = logging.getLogger("mii_async.gateway.ws")

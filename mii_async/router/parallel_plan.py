@@ -1,7 +1,7 @@
 """The automatic tensor-parallel plan: the smallest T whose weight shard leaves a useful KV pool.
 
 `tensor_parallel="auto"` (the default): with no GPU visible, T = 1. With GPUs, T is the smallest degree that
-the model's head counts allow (workers/shard_plan.py) for which a rank's share of the weights takes at most
+the model's head counts allow (workers/model/shard_plan.py) for which a rank's share of the weights takes at most
 half of one GPU's memory, so that the KV pool and activations get the rest; at most the number of visible
 GPUs. The router logs the choice and why. No torch here: GPU memory comes from `nvidia-smi`, the weights'
 size from the safetensors files and the config's dtype.
@@ -74,7 +74,7 @@ def plan_tensor_parallel(model_path: Path, dtype: str, device: str, gpus: list[i
 
 def check_tensor_parallel(model_path: Path, world: int) -> None:
     """Refuses, naming the head counts, a tensor_parallel that the model's shapes do not allow."""
-    from ..workers.shard_plan import shard_plan
+    from mii_async.workers.model.shard_plan import shard_plan
 
     cfg = json.loads((model_path / "config.json").read_text())
     heads = cfg["num_attention_heads"]

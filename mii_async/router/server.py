@@ -34,11 +34,11 @@ from ..params import SamplingParams
 from ..transport import RouterSocket, start_authenticator
 from .balancer import Balancer, Candidate
 from .parallel_plan import check_tensor_parallel, plan_tensor_parallel
-from .prompts import PromptEncoder
+from ..text.prompts import PromptEncoder
 from .replicas import Replica, ReplicaSet
 from .supervisor import Supervisor
 from .worker_link import WorkerLink
-from .request_state import Ended, RequestState
+from ..text.request_state import Ended, RequestState
 from .stats_queries import RESET_TIMEOUT_S, StatsQueries
 
 log = logging.getLogger("mii_async.router")

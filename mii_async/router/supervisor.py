@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .replicas import Replica
-from .request_state import Ended
+from ..text.request_state import Ended
 
 if TYPE_CHECKING:
     from .server import Router

@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import protocol as P
 from ..params import MAX_TOKEN_ID
-from .request_state import Ended
+from ..text.request_state import Ended
 
 if TYPE_CHECKING:
     from .server import Router

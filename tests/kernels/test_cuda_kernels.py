@@ -66,7 +66,7 @@ def test_silu_and_mul(dtype, t, f):
 def test_rotary_write_kv(dtype, hq, hkv, d):
     """Rotary on q and k of a fused QKV projection, k and v written at their slots, every other slot untouched;
     positions up to 32k."""
-    from mii_async.workers.models.rope import cos_sin_cache, inv_frequencies
+    from mii_async.workers.model.rope import cos_sin_cache, inv_frequencies
 
     t, num_blocks, bs = 37, 64, 16
     cos_sin = cos_sin_cache(inv_frequencies(d, 500000.0, None), 32768, torch.device("cuda"))

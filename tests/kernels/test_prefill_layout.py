@@ -7,8 +7,8 @@ import numpy as np
 import torch
 
 from mii_async.kernels.metadata import device_groups, prefill_layout
-from mii_async.workers.runner import host_inputs
-from mii_async.workers.step_plan import ScheduledSeq, StepPlan
+from mii_async.workers.execute.runner import host_inputs
+from mii_async.workers.core.step_plan import ScheduledSeq, StepPlan
 
 
 def _expected(tables, qlens, clens, nd, bs, limit):

@@ -81,7 +81,7 @@ def test_rotary_matches_transformers():
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-    from mii_async.workers.models.rope import cos_sin_cache, inv_frequencies
+    from mii_async.workers.model.rope import cos_sin_cache, inv_frequencies
 
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64, "rope_theta": 500000.0}

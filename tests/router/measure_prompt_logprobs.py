@@ -26,12 +26,12 @@ from mii_async import protocol as P
 from mii_async import async_client
 from mii_async.params import SamplingParams
 from mii_async.router.replicas import Replica, WorkerInfo
-from mii_async.router.request_state import RequestState
+from mii_async.text.request_state import RequestState
 from mii_async.router.server import Router
 from mii_async.router.worker_link import WorkerLink
-from mii_async.workers import prompt_logprobs as plmod
+from mii_async.workers.sampling import prompt_logprobs as plmod
 from mii_async.workers.engine import EngineOutput
-from mii_async.workers.sequence import Sequence
+from mii_async.workers.core.sequence import Sequence
 from mii_async.workers.worker import Worker
 
 VOCAB = 32_000

@@ -8,7 +8,7 @@ import threading
 from mii_async.config import EngineConfig
 from mii_async.engine_thread import EngineThread
 from mii_async.params import SamplingParams
-from mii_async.router.request_state import Ended
+from mii_async.text.request_state import Ended
 
 
 def test_a_failed_launch_leaves_nothing_running(tiny_model):

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from mii_async.params import SamplingParams
-from mii_async.workers.block_manager import block_digest
-from mii_async.workers.guide_compiler import CompileError
-from mii_async.workers.guides import GuidedRequests
-from mii_async.workers.sequence import Status
+from mii_async.workers.core.block_manager import block_digest
+from mii_async.workers.sampling.guide_compiler import CompileError
+from mii_async.workers.sampling.guides import GuidedRequests
+from mii_async.workers.core.sequence import Status
 
 from .helpers import make_engine
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from mii_async.params import SamplingParams
-from mii_async.workers.sampler import Sampler
-from mii_async.workers.sequence import Sequence
+from mii_async.workers.sampling.sampler import Sampler
+from mii_async.workers.core.sequence import Sequence
 
 
 def _seq(i, **params):
@@ -74,7 +74,7 @@ def test_guided_rows_logprobs_keep_the_guide_mask():
     changes the choice but not the logprobs."""
     from outlines_core import Index, Vocabulary
 
-    from mii_async.workers.guides import RequestGuide
+    from mii_async.workers.sampling.guides import RequestGuide
 
     vocab = Vocabulary(2, {bytes([97 + j % 26]) * (1 + j // 26): [j] for j in range(50) if j != 2})
     seq = _seq(0, guided_regex="[a-c]+", logprobs=3, repetition_penalty=1.5)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mii_async.errors import InvalidParameterError
-from mii_async.workers.shard_plan import shard_plan
+from mii_async.workers.model.shard_plan import shard_plan
 
 PROMPTS = [[1, 5, 9, 33, 70, 12, 8], [1, 200, 3, 4], [1, 17, 17, 17, 250, 31, 99, 100, 2, 45, 6]]
 
@@ -24,8 +24,8 @@ def _rank_main(rank: int, world: int, path: str, init: str, out: str) -> None:
     from mii_async.config import EngineConfig
     from mii_async.params import SamplingParams
     from mii_async.workers.engine import Engine
-    from mii_async.workers.parallel import TPGroup
-    from mii_async.workers.step_plan import ScheduledSeq, StepPlan
+    from mii_async.workers.model.parallel import TPGroup
+    from mii_async.workers.core.step_plan import ScheduledSeq, StepPlan
 
     torch.set_num_threads(1)
     tp = TPGroup(rank, world, init, torch.device("cpu")) if world > 1 else None

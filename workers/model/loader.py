@@ -1,0 +1,154 @@
+"""Read an HF model directory: the model spec from config.json and weights from *.safetensors.
+
+Weights are memory-mapped with safetensors and read tensor by tensor (sharded checkpoints through
+model.safetensors.index.json), with a progress bar. No pickle: *.bin checkpoints are refused.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from mii_async.errors import ModelNotFoundError, UnsupportedModelError
+
+from . import SUPPORTED_MODEL_TYPES
+from .rope import position_limit, rope_config
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool            # q/k/v projections carry a bias (Qwen2)
+    eos_token_ids: frozenset[int]   # config + generation_config
+    bos_token_id: int | None
+    sliding_window: int | None      # when set, the usable context is capped at it (we attend densely)
+
+
+def _ids(v: Any) -> set[int]:
+    if v is None:
+        return set()
+    return {int(x) for x in v} if isinstance(v, (list, tuple)) else {int(v)}
+
+
+def load_spec(path: Path) -> ModelSpec:
+    cfg = json.loads((path / "config.json").read_text())
+    mtype = cfg.get("model_type")
+    if mtype not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model_type {mtype!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    # What the layers implement: a SiLU-gated MLP without biases. Anything else would load and run, wrongly.
+    if (act := cfg.get("hidden_act", "silu")) not in ("silu", "swish"):
+        raise UnsupportedModelError(f"hidden_act {act!r} is not supported: the MLP is SiLU-gated (silu)")
+    if cfg.get("mlp_bias"):
+        raise UnsupportedModelError("mlp_bias=true is not supported: the MLP's projections have no biases here")
+    theta, scaling = rope_config(cfg)      # refuses a rope the layers do not compute, naming its field
+    gen_path = path / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    heads = int(cfg["num_attention_heads"])
+    window = cfg.get("sliding_window") if mtype != "qwen2" else _qwen2_window(cfg)
+    return ModelSpec(
+        model_type=mtype,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+        intermediate_size=int(cfg["intermediate_size"]),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=position_limit(int(cfg.get("max_position_embeddings", 4096)), scaling),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", mtype == "qwen2")),
+        eos_token_ids=frozenset(_ids(cfg.get("eos_token_id")) | _ids(gen.get("eos_token_id"))),
+        bos_token_id=cfg.get("bos_token_id"),
+        sliding_window=int(window) if window else None,
+    )
+
+
+def _qwen2_window(cfg: dict[str, Any]) -> int | None:
+    """Qwen2's window, where a layer slides (as transformers decides): use_sliding_window on, and `layer_types`
+    naming a sliding layer, or without them a layer from max_window_layers on. Dense everywhere: None."""
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+    layers = cfg.get("layer_types") or ["sliding_attention" if i >= int(cfg.get("max_window_layers", 28))
+                                        else "full_attention" for i in range(int(cfg["num_hidden_layers"]))]
+    return window if "sliding_attention" in layers else None
+
+
+class WeightReader:
+    """Name → tensor over one or many safetensors files, memory-mapped."""
+
+    def __init__(self, path: Path) -> None:
+        from safetensors import safe_open
+
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in path.glob("*.safetensors"))
+            if not files:
+                raise ModelNotFoundError(f"{path} holds no *.safetensors weights (pickled *.bin files are not loaded)")
+            weight_map = {}
+        self._handles = {f: safe_open(str(path / f), framework="pt") for f in files}
+        if not weight_map:
+            weight_map = {k: f for f, h in self._handles.items() for k in h.keys()}
+        self._map = weight_map
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._map
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._map:
+            raise ModelNotFoundError(f"weight {name!r} is missing from the checkpoint")
+        return self._handles[self._map[name]].get_tensor(name)
+
+    def get_slice(self, name: str, dim: int, start: int, end: int) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) [start, end) of a weight, read alone from the memory-mapped file:
+        a tensor-parallel rank never materialises the whole tensor."""
+        if name not in self._map:
+            raise ModelNotFoundError(f"weight {name!r} is missing from the checkpoint")
+        sl = self._handles[self._map[name]].get_slice(name)
+        return sl[start:end] if dim == 0 else sl[:, start:end]
+
+    def names(self) -> Iterator[str]:
+        return iter(self._map)
+
+
+class TensorReader:
+    """The WeightReader interface over tensors already in memory (name → tensor), e.g. a transformers model's
+    state_dict: benchmarks and parity checks build a model on the GPU and serve its very weights, no files."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._t = tensors
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._t
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._t:
+            raise ModelNotFoundError(f"weight {name!r} is missing")
+        return self._t[name]
+
+    def get_slice(self, name: str, dim: int, start: int, end: int) -> torch.Tensor:
+        t = self.get(name)
+        return t[start:end] if dim == 0 else t[:, start:end]
+
+    def names(self) -> Iterator[str]:
+        return iter(self._t)
