@@ -31,7 +31,7 @@ from .sampling.guide_compiler import GuideCompiler
 from .sampling.guides import GuidedRequests
 from .model.loader import TensorReader, WeightReader, load_spec
 from .execute.memory_plan import MemoryPlan, plan_kv, profile_step, warn_limits
-from .model.llama import LlamaModel
+from .model.registry import model_class
 from .model.parallel import TPGroup
 from .execute.piecewise_graphs import MAX_TOKENS as PIECEWISE_MAX_TOKENS, PiecewiseGraphs, piecewise_reserve
 from .sampling.prompt_logprobs import PendingScores, launch_scores, packed, read_scores
@@ -91,7 +91,7 @@ class Engine:
         except ValueError as exc:
             raise InvalidParameterError("kernels", str(exc)) from None
         reader = TensorReader(weights) if weights is not None else WeightReader(self.model_path)
-        self.model = LlamaModel.load(spec, reader, self.dtype, self.device,
+        self.model = model_class(spec).load(spec, reader, self.dtype, self.device,
                                      self.max_model_len, get_ops(self.kernels), tp)
         kv_spec = dataclasses.replace(spec, num_kv_heads=self.model.num_kv_heads)   # this rank's KV heads
         self.load_seconds = time.perf_counter() - t0
