@@ -8,6 +8,7 @@ as a second line. Imports no torch.
 """
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import logging
 import os
@@ -15,7 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
-from typing import Callable
+from typing import Any, Callable, Coroutine
 
 log = logging.getLogger("mii_async.lifecycle")
 _PR_SET_PDEATHSIG = 1
@@ -105,3 +106,12 @@ def watch_lifeline(fd: int, on_parent_exit: Callable[[], None]) -> threading.Thr
     t = threading.Thread(target=watch, name="mii_async-lifeline", daemon=True)
     t.start()
     return t
+
+
+def run_uvloop(coro: Coroutine[Any, Any, int]) -> int:
+    """Runs a process's main coroutine on uvloop (asyncio's own loop where uvloop is not installed)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)

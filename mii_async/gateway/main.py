@@ -128,8 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
-    from ..lifecycle import set_process_name
-    from ..router.main import run_uvloop
+    from ..lifecycle import run_uvloop, set_process_name
 
     set_process_name("mii-gateway")
     cfg = json.loads(a.config)
