@@ -174,7 +174,7 @@ class PiecewiseGraphs:
     def forward(self, io: torch.Tensor, num_tokens: int, meta: AttentionMetadata, sample_rows: torch.Tensor,
                 between_layers: Callable[[], None] | None = None) -> torch.Tensor:
         """A step of `num_tokens` tokens whose [ids | positions | slots] fields, padded to its bucket, are `io`
-        (on the device, placeholders filled) → logits [len(sample_rows), V] fp32, as `LlamaModel.forward`."""
+        (on the device, placeholders filled) → logits [len(sample_rows), V] fp32, as `DecoderModel.forward`."""
         p = io.shape[0] // 3
         t = num_tokens
         model = self.model
@@ -189,7 +189,7 @@ class PiecewiseGraphs:
                 pieces[i].replay()
             else:
                 residual = self._piece(i, p, residual)
-            model.ops.paged_attention(q, k_cache, v_cache, meta, model.scale, out=attn)
+            model.attention(model.layers[i], q, k_cache, v_cache, meta, out=attn)
             if between_layers is not None:
                 between_layers()
         if pieces is not None:

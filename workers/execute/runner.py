@@ -16,7 +16,7 @@ import torch
 
 from mii_async.kernels.metadata import AttentionMetadata, HostGroup, device_groups, prefill_layout
 
-from ..model.llama import LlamaModel
+from ..model.decoder import DecoderModel
 from .staging import Staging
 from ..core.step_plan import ScheduledSeq, StepPlan
 
@@ -133,7 +133,7 @@ def fill_pending(ids: torch.Tensor, rows: torch.Tensor, sources: torch.Tensor, p
 
 
 class Runner:
-    def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+    def __init__(self, model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  device: torch.device) -> None:
         self.model = model
         self.kv_caches = kv_caches

@@ -1,4 +1,5 @@
-"""Model families. Each maps an HF config to a spec, loads its weights and runs a forward pass on the op set."""
+"""Model families over shared blocks: config.json → a spec (loader.py, spec.py), its `architectures` → the class
+that runs it (registry.py), one file per architecture (llama.py) over the decoder skeleton (decoder.py) and the
+blocks (layers/), each rank's slice of the weights (weights.py, shard_plan.py) and its process group
+(parallel.py)."""
 from __future__ import annotations
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")

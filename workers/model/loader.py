@@ -6,37 +6,16 @@ model.safetensors.index.json), with a progress bar. No pickle: *.bin checkpoints
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
-from mii_async.errors import ModelNotFoundError, UnsupportedModelError
+from mii_async.errors import ModelNotFoundError
 
-from . import SUPPORTED_MODEL_TYPES
+from .registry import MODEL_TYPES, architecture_of
 from .rope import position_limit, rope_config
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool            # q/k/v projections carry a bias (Qwen2)
-    eos_token_ids: frozenset[int]   # config + generation_config
-    bos_token_id: int | None
-    sliding_window: int | None      # when set, the usable context is capped at it (we attend densely)
+from .spec import ModelSpec
 
 
 def _ids(v: Any) -> set[int]:
@@ -46,22 +25,18 @@ def _ids(v: Any) -> set[int]:
 
 
 def load_spec(path: Path) -> ModelSpec:
+    """config.json (and generation_config.json's EOS ids) → the spec. An architecture that no model file runs,
+    or a config field that its layers do not compute, is refused here, naming it, before any weight is read."""
     cfg = json.loads((path / "config.json").read_text())
-    mtype = cfg.get("model_type")
-    if mtype not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"model_type {mtype!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    # What the layers implement: a SiLU-gated MLP without biases. Anything else would load and run, wrongly.
-    if (act := cfg.get("hidden_act", "silu")) not in ("silu", "swish"):
-        raise UnsupportedModelError(f"hidden_act {act!r} is not supported: the MLP is SiLU-gated (silu)")
-    if cfg.get("mlp_bias"):
-        raise UnsupportedModelError("mlp_bias=true is not supported: the MLP's projections have no biases here")
+    arch = architecture_of(cfg)
+    mtype = cfg.get("model_type") or next((t for t, a in MODEL_TYPES.items() if a == arch), "")
     theta, scaling = rope_config(cfg)      # refuses a rope the layers do not compute, naming its field
     gen_path = path / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
     heads = int(cfg["num_attention_heads"])
     window = cfg.get("sliding_window") if mtype != "qwen2" else _qwen2_window(cfg)
     return ModelSpec(
+        architecture=arch,
         model_type=mtype,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=int(cfg["hidden_size"]),

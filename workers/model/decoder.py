@@ -1,0 +1,152 @@
+"""DecoderModel: a decoder-only transformer over the shared blocks (layers/), and what the engine calls on it.
+
+The embedding, L pre-norm layers (attention, then the gated MLP, each adding its input to the residual stream
+in the norm of the block after it), the final norm and the LM head; logits are computed only for the rows
+that are sampled. An architecture file subclasses it, names the config.json architectures it serves, refuses
+the config fields its layers do not compute, and loads one layer (`load_layer`); the registry maps the names
+to the class.
+
+The runner, the decode graphs and the piecewise graphs (workers/execute/) call `forward`, or a layer at a time
+`embed_tokens`, `pre_attention`, `attention`, `post_attention` and `head`, and read `spec`, `layers`, `embed`,
+`num_heads`, `num_kv_heads`, `scale` and `ops` (which a probe may replace between runs).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from tqdm.auto import tqdm
+
+from mii_async.kernels.metadata import AttentionMetadata
+
+from .layers.attention import Attention
+from .layers.embedding import Embedding, LMHead
+from .layers.mlp import GatedMLP
+from .layers.norm import RMSNorm
+from .parallel import TPGroup
+from .rope import attention_factor, cos_sin_cache, inv_frequencies
+from .shard_plan import ShardPlan, shard_plan
+from .spec import ModelSpec
+from .weights import Weights, WeightSource
+
+if TYPE_CHECKING:
+    from mii_async.kernels.op_set import OpSet
+
+
+@dataclass
+class DecoderLayer:
+    """Pre-norm: attention, then the MLP, each block's norm adding the stream so far to the residual."""
+    attn: Attention
+    mlp: GatedMLP
+
+    def pre_attention(self, ops: OpSet, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                      slot_mapping: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.attn.project(ops, h, residual, positions, slot_mapping, k_cache, v_cache)
+
+    def post_attention(self, ops: OpSet, attn: torch.Tensor,
+                       residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.mlp(ops, self.attn.output(ops, attn), residual)
+
+
+class DecoderModel(ABC):
+    architectures: ClassVar[tuple[str, ...]] = ()   # config.json `architectures` names this class runs
+    model_types: ClassVar[dict[str, str]] = {}      # model_type → its architecture, for configs that name none
+
+    def __init__(self, spec: ModelSpec, embedding: Embedding, layers: list[DecoderLayer], output: LMHead,
+                 ops: OpSet, tp: TPGroup | None, shard: ShardPlan | None) -> None:
+        self.spec = spec
+        self.embedding = embedding
+        self.layers = layers
+        self.output = output
+        self.ops = ops
+        self.tp, self.shard = tp, shard
+        self.num_heads, self.num_kv_heads = layers[0].attn.num_heads, layers[0].attn.num_kv_heads  # this rank's
+        self.scale = spec.head_dim ** -0.5          # the softmax scale of every layer's attention
+
+    @property
+    def embed(self) -> torch.Tensor:
+        """The embedding table [V, H] (this rank's rows under TP); its dtype is the activations'."""
+        return self.embedding.weight
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        """The output projection [V, H] (the embedding itself when tied)."""
+        return self.output.weight
+
+    # -- what an architecture file says ------------------------------------------------------------
+    @classmethod
+    def check_config(cls, cfg: dict[str, Any]) -> None:
+        """Raises UnsupportedModelError, naming the field, for a config.json that this class would load and
+        run wrongly. Runs before the spec is read."""
+
+    @classmethod
+    @abstractmethod
+    def load_layer(cls, w: Weights, spec: ModelSpec, index: int, cos_sin: torch.Tensor,
+                   tp: TPGroup | None) -> DecoderLayer:
+        """Layer `index` from the checkpoint (this rank's slices of it)."""
+
+    # -- loading -----------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, spec: ModelSpec, reader: WeightSource, dtype: torch.dtype, device: torch.device,
+             max_positions: int, ops: OpSet, tp: TPGroup | None = None) -> DecoderModel:
+        """Loads the model, or with `tp` this rank's shard of it (reading only its slices from the files)."""
+        shard = shard_plan(spec.num_heads, spec.num_kv_heads, spec.intermediate_size, spec.vocab_size,
+                           tp.rank, tp.world) if tp is not None else None
+        w = Weights(reader, dtype, device, shard)
+        inv = inv_frequencies(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+        cos_sin = cos_sin_cache(inv, max_positions, device, attention_factor(spec.rope_scaling))
+        layers = [cls.load_layer(w, spec, i, cos_sin, tp)
+                  for i in tqdm(range(spec.num_layers), desc="mii_async: loading layers", unit="layer", leave=False)]
+        embedding = Embedding.load(w, "model.embed_tokens.weight", tp)
+        output = LMHead.load(w, "lm_head.weight", RMSNorm.load(w, "model.norm.weight", spec.rms_norm_eps),
+                             embedding, spec, tp)
+        return cls(spec, embedding, layers, output, ops, tp, shard)
+
+    # -- a step ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata, sample_rows: torch.Tensor,
+                between_layers: Callable[[], None] | None = None) -> torch.Tensor:
+        """input_ids, positions [T] → logits [len(sample_rows), V] fp32. `between_layers()` runs on the host
+        after each layer's kernels are enqueued (the engine reads the step in flight there)."""
+        t = input_ids.shape[0]
+        h = self.embed_tokens(input_ids)                                           # [T, H]
+        residual: torch.Tensor | None = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            q, residual = self.pre_attention(layer, h, residual, positions, meta.slot_mapping, k_cache, v_cache)
+            attn = self.attention(layer, q, k_cache, v_cache, meta)                # [T, Hq, D]
+            h, residual = self.post_attention(layer, attn.reshape(t, -1), residual)
+            if between_layers is not None:
+                between_layers()
+        assert residual is not None
+        return self.head(h, residual, sample_rows)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] → h [T, H]."""
+        return self.embedding(input_ids)
+
+    # A layer in three parts: the first and the last are what a piecewise CUDA graph holds (piecewise_graphs.py),
+    # the attention between them runs eagerly.
+    def pre_attention(self, layer: DecoderLayer, h: torch.Tensor, residual: torch.Tensor | None,
+                      positions: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual +) norm, QKV, rotary, and this step's K/V written to the cache → q [T, Hq, D], residual."""
+        return layer.pre_attention(self.ops, h, residual, positions, slot_mapping, k_cache, v_cache)
+
+    def attention(self, layer: DecoderLayer, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, Hq, D] → attn [T, Hq, D] (into `out` when given) over the paged KV cache."""
+        return layer.attn.attend(self.ops, q, k_cache, v_cache, meta, out)
+
+    def post_attention(self, layer: DecoderLayer, attn: torch.Tensor,
+                       residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """attn [T, Hq·D] → o_proj, residual + norm, the MLP → h [T, H], residual."""
+        return layer.post_attention(self.ops, attn, residual)
+
+    def head(self, h: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The final norm and the LM head, on `rows` only → logits [len(rows), V] fp32."""
+        return self.output(self.ops, h[rows], residual[rows])
