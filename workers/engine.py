@@ -1,15 +1,15 @@
-"""Engine: one replica's model, KV pool, scheduler and sampler, advanced one step at a time.
+"""Engine: one replica's model, KV pool, scheduler and sampler (built by engine_build.py), advanced one step
+at a time.
 
-Not thread-safe: one thread (the local pipeline's engine thread, or a worker's loop) owns it. `check_request`
-is pure and may be called from any thread, before a request is handed over.
+Not thread-safe: one thread, the one that runs its EngineLoop (engine_loop.py: the local pipeline's engine
+thread, or a worker process's main thread), owns it. `check_request` is pure and may be called from any thread,
+before a request is handed over.
 """
 from __future__ import annotations
 
-import dataclasses
 import gc
 import itertools
 import logging
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -17,31 +17,19 @@ from typing import NamedTuple
 import torch
 
 from mii_async.config import EngineConfig
-from mii_async.errors import InvalidParameterError
-from mii_async.kernels import get_ops, resolve_backend
-from mii_async.model_source import resolve_model
 from mii_async.params import SamplingParams
 from mii_async.protocol import PromptLogprobs
 from mii_async.request_limits import RequestLimits
 
-from .execute import kv_cache
-from .core.block_manager import BlockManager
-from .execute.cuda_graphs import DecodeGraphs, graph_reserve
+from .core.sequence import Sequence, Status
+from .engine_build import build
+from .model.parallel import TPGroup
 from .sampling.guide_compiler import GuideCompiler
 from .sampling.guides import GuidedRequests
-from .model.loader import TensorReader, WeightReader, load_spec
-from .execute.memory_plan import MemoryPlan, plan_kv, profile_step, warn_limits
-from .model.registry import model_class
-from .model.parallel import TPGroup
-from .execute.piecewise_graphs import MAX_TOKENS as PIECEWISE_MAX_TOKENS, PiecewiseGraphs, piecewise_reserve
 from .sampling.prompt_logprobs import PendingScores, launch_scores, packed, read_scores
-from .execute.runner import Runner
-from .sampling.sampler import PendingSample, Sampler, TokenLogprobs
-from .core.scheduler import Scheduler
-from .core.sequence import Sequence, Status
+from .sampling.sampler import PendingSample, TokenLogprobs
 
 log = logging.getLogger("mii_async.workers.engine")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class EngineOutput(NamedTuple):
@@ -66,87 +54,21 @@ class _InFlight(NamedTuple):
 class Engine:
     def __init__(self, config: EngineConfig, model_path: Path | None = None, tp: TPGroup | None = None,
                  weights: dict[str, torch.Tensor] | None = None) -> None:
-        """With `tp`, this process is one rank of a tensor-parallel replica: it holds its shard of the weights
-        and of the KV pool; rank 0 runs the loop (`step`), the others `follow()`. `weights` (name → tensor)
-        replaces the checkpoint's files: the model directory then needs only its config.json."""
-        mc = config.model
-        self.config = config
-        self.model_path = model_path or resolve_model(mc.model, mc.cache_dir)
-        self.spec = spec = load_spec(self.model_path)
-        dev = mc.device if mc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        self.device = torch.device(dev)
-        if self.device.type == "cuda" and self.device.index is not None:
-            torch.cuda.set_device(self.device)   # the kernels launch on the current device of the thread that
-                                                 # builds and steps the engine
-        dtype_name = mc.dtype if mc.dtype != "auto" else ("float32" if self.device.type == "cpu" else "bfloat16")
-        self.dtype = _DTYPES[dtype_name]
-        limit = spec.max_position_embeddings
-        if spec.sliding_window:
-            limit = min(limit, spec.sliding_window)  # dense attention is exact only inside the window
-        self.max_model_len = min(mc.max_model_len or limit, limit)
-        t0 = time.perf_counter()
-        self.tp = tp
-        try:
-            self.kernels = resolve_backend(mc.kernels, self.device.type)
-        except ValueError as exc:
-            raise InvalidParameterError("kernels", str(exc)) from None
-        reader = TensorReader(weights) if weights is not None else WeightReader(self.model_path)
-        self.model = model_class(spec).load(spec, reader, self.dtype, self.device,
-                                     self.max_model_len, get_ops(self.kernels), tp)
-        kv_spec = dataclasses.replace(spec, num_kv_heads=self.model.num_kv_heads)   # this rank's KV heads
-        self.load_seconds = time.perf_counter() - t0
-        cc = config.cache
-        sched = config.scheduler.resolved(self.device.type)
-        self.config = config = dataclasses.replace(config, scheduler=sched)
-        self.sampler = Sampler(spec.vocab_size, spec.eos_token_ids, self.device)
-        graphs = self.device.type == "cuda" and mc.cuda_graphs and tp is None   # TP graphs: not yet
-        max_graph_batch = min(sched.max_num_seqs, 512)
-        piecewise = graphs and mc.piecewise_graphs
-        piecewise_tokens = min(sched.max_mixed_batch_tokens or sched.max_batch_tokens, PIECEWISE_MAX_TOKENS)
-        self.memory_plan = None
-        per_block = kv_cache.bytes_per_block(kv_spec, cc.block_size, self.dtype)
-        if cc.num_blocks:
-            num_blocks = cc.num_blocks
-        elif self.device.type != "cuda" or cc.kv_cache_memory is not None:
-            num_blocks = int((cc.kv_cache_memory or cc.CPU_KV_GIB) * 2**30 // per_block)
-        else:
-            reserve = ((graph_reserve(max_graph_batch, spec.vocab_size) if graphs else 0)
-                       + (piecewise_reserve(self.model, piecewise_tokens) if piecewise else 0))
-            self.memory_plan = self._plan_memory(kv_spec, per_block, sched, reserve)
-            num_blocks = self.memory_plan.num_blocks
-        num_blocks = max(1, num_blocks) if tp is None else tp.min_int(max(1, num_blocks))   # same ids on all ranks
-        self.num_blocks = num_blocks
-        if tp is None or tp.rank == 0:
-            warn_limits(mc.max_model_len, limit, self.max_model_len, num_blocks * cc.block_size)
-        # With graphs, one more block than the block manager knows: the scratch block of padded rows.
-        self.kv = kv_cache.allocate(kv_spec, num_blocks + int(graphs), cc.block_size, self.dtype, self.device)
-        self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.scheduler = Scheduler(sched, self.block_manager)
-        self.runner = Runner(self.model, self.kv, cc.block_size, self.device)
-        if graphs:
-            self.runner.graphs = DecodeGraphs(self.model, self.kv, cc.block_size, self.device, max_graph_batch,
-                                              self.max_model_len, scratch_block=num_blocks)
-            self.runner.graphs.capture()
-        if piecewise:
-            self.runner.piecewise = PiecewiseGraphs(self.model, self.kv, self.device, piecewise_tokens,
-                                                    num_blocks * cc.block_size, max_rows=sched.max_num_seqs)
-            self.runner.piecewise.capture()
-        if self.memory_plan is not None:
-            measured = sum(g.memory for g in (self.runner.graphs, self.runner.piecewise) if g is not None)
-            if measured > self.memory_plan.graph_reserve:
-                log.warning("the CUDA graphs took %.2f GiB, more than the %.2f GiB the memory plan set aside",
-                            measured / 2**30, self.memory_plan.graph_reserve / 2**30)
-            log.info("%s; graphs measured %.2f GiB; token budget %d per step (%d while requests decode%s), %d "
-                     "sequences at most", self.memory_plan.describe(), measured / 2**30, sched.max_batch_tokens,
-                     sched.max_mixed_batch_tokens,
-                     f"; steps cut to multiples of {m}" if (m := sched.step_token_multiple or 1) > 1 else "",
-                     sched.max_num_seqs)
+        """Builds the engine's parts (`engine_build.build`: the model, the KV pool, the runner and its graphs,
+        …). With `tp`, this process is one rank of a tensor-parallel replica: rank 0 runs the loop (`step`),
+        the others `follow()`. `weights` (name → tensor) replaces the checkpoint's files: the model directory
+        then needs only its config.json."""
+        parts = build(config, model_path, tp, weights)
+        self.config = parts.config
+        self.model_path, self.spec, self.model = parts.model_path, parts.spec, parts.model
+        self.device, self.dtype, self.kernels = parts.device, parts.dtype, parts.kernels
+        self.max_model_len, self.tp, self.load_seconds = parts.max_model_len, parts.tp, parts.load_seconds
+        self.memory_plan, self.num_blocks, self.kv = parts.memory_plan, parts.num_blocks, parts.kv
+        self.block_manager, self.scheduler = parts.block_manager, parts.scheduler
+        self.runner, self.sampler = parts.runner, parts.sampler
+        self.async_scheduling = parts.async_scheduling
         self.seqs: dict[int, Sequence] = {}
         self.num_steps = 0
-        self.async_scheduling = (sched.async_scheduling if sched.async_scheduling is not None
-                                 else self.device.type == "cuda")
-        if tp is not None:
-            self.async_scheduling = False   # the other ranks would need the device ids too: not yet
         self._inflight: _InFlight | None = None
         self.guided: GuidedRequests | None = None      # made at the first guided request
         self._arrivals = itertools.count()             # Sequence.arrival: the waiting queue's order
@@ -371,15 +293,6 @@ class Engine:
     def stop_followers(self) -> None:
         if self.tp is not None and self.tp.rank == 0:
             self.tp.send_plan(None)
-
-    def _plan_memory(self, kv_spec, per_block: int, sched, reserve: int) -> MemoryPlan:
-        cc = self.config.cache
-        block_shape = (cc.block_size, kv_spec.num_kv_heads, kv_spec.head_dim)
-        return plan_kv(lambda: profile_step(self.model, self.sampler, kv_spec.num_layers, block_shape, self.dtype,
-                                            self.device, sched.max_batch_tokens, sched.max_num_seqs,
-                                            self.max_model_len, cc.block_size, Runner),
-                       self.device, cc.gpu_memory_utilization, per_block, cc.block_size, sched.max_batch_tokens,
-                       reserve)
 
     def stats(self) -> dict[str, int]:
         cs = self.block_manager.stats()

@@ -1,9 +1,10 @@
 """Worker: one worker process's life — hello, load, ready, then the replica leader's engine loop.
 
-The loop owns the Engine and a blocking DEALER socket to the router. Between steps it drains every message
-that arrived (requests, aborts, stats queries, shutdown); while the engine has work it never waits on the
-socket, and when idle it blocks on it. Each step's sampled tokens go back in one StepTokens message. A bad
-request is answered with RequestFailed and never stops the loop; a failed step fails the requests in it.
+The leader drives an EngineLoop (`engine_loop.py`) over a blocking DEALER socket to the router: router
+messages become the loop's commands (requests, aborts, stats queries, shutdown), and its outputs go back as
+StepTokens (one message per step, or several when prompt logprobs are large), RequestFailed and StatsReport.
+While the engine has work the loop never waits on the socket; idle, it waits up to half a second, so that a
+signal is seen.
 
 Heartbeats run on a thread with a socket of their own, so that a long step (a big prefill on a CPU) does not
 look like a dead worker; the router echoes each one, and a worker that hears nothing back for
@@ -20,7 +21,7 @@ import threading
 import time
 import uuid
 from operator import attrgetter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -30,8 +31,14 @@ from mii_async.errors import error_code
 from mii_async.params import SamplingParams
 from mii_async.transport import SyncDealerSocket
 
+from .engine_loop import Abort, AddRequest, Command, EngineLoop, Output, QueryStats, RequestEnded, Stats, Stop, Tokens
+
+if TYPE_CHECKING:
+    from .engine import EngineOutput
+
 log = logging.getLogger("mii_async.worker")
 ASSIGN_TIMEOUT_S = 120.0
+IDLE_POLL_S = 0.5            # how long an idle leader waits on its socket before it looks at its stop flag
 STATS_REFRESH_S = 0.5        # how stale the counters in a heartbeat may be (StatsQuery answers are fresh)
 STEP_FRAME_BYTES = 4 * 2**20 # prompt logprobs in one StepTokens at most, unless one request's alone are more
 
@@ -47,7 +54,6 @@ class Worker:
         self.engine: Any = None
         self.stats: dict[str, int] = {}     # the latest engine counters, read by the heartbeat thread
         self._stop = threading.Event()
-        self._stats_at = 0.0
 
     def request_stop(self, *_: Any) -> None:
         self._stop.set()
@@ -65,7 +71,7 @@ class Worker:
             hb.start()
             try:
                 if self.rank == 0:
-                    self._loop()
+                    self._serve()
                     self.engine.stop_followers()
                 else:
                     self.engine.follow()      # until rank 0 stops; if rank 0 dies, the router cuts our lifeline
@@ -81,7 +87,8 @@ class Worker:
             self.ctx.term()
 
     def _handshake(self) -> P.Assign | None:
-        self.sock.send(P.Hello(self.name, self.replica, self.rank, os.getpid(), socket.gethostname()))
+        self.sock.send(P.Hello(worker=self.name, replica=self.replica, rank=self.rank, pid=os.getpid(),
+                               host=socket.gethostname()))
         deadline = time.monotonic() + ASSIGN_TIMEOUT_S
         while not self._stop.is_set() and time.monotonic() < deadline:
             msg = self.sock.recv(0.5)
@@ -115,7 +122,8 @@ class Worker:
             self.engine = Engine(config, tp=tp)
         except Exception as exc:  # noqa: BLE001 - any load failure is reported to the router, then we exit
             log.exception("replica %d rank %d failed to load the model", self.replica, self.rank)
-            self.sock.send(P.LoadFailed(self.replica, error_code(exc), f"{type(exc).__name__}: {exc}"))
+            self.sock.send(P.LoadFailed(replica=self.replica, code=error_code(exc),
+                                        message=f"{type(exc).__name__}: {exc}"))
             time.sleep(0.5)   # let the frame leave before the socket closes
             return False
         eng = self.engine
@@ -124,69 +132,66 @@ class Worker:
                 "model": str(eng.model_path), "device": str(eng.device), "dtype": str(eng.dtype).removeprefix("torch."),
                 "load_seconds": round(eng.load_seconds, 3), "pid": os.getpid(), "worker": self.name,
                 "peak_rss_mib": _peak_rss_mib(), "tensor_parallel": assign.tensor_parallel}
-        self.sock.send(P.Ready(self.replica, self.rank, info))
+        self.sock.send(P.Ready(replica=self.replica, rank=self.rank, info=info))
         log.info("replica %d rank %d ready: %s on %s, %d KV blocks", self.replica, self.rank, eng.model_path.name,
                  eng.device, eng.num_blocks)
         return True
 
     # -- the leader's loop ---------------------------------------------------------------------------
-    def _loop(self) -> None:
-        eng = self.engine
-        while not self._stop.is_set():
-            msg = self.sock.recv(0.0 if eng.has_work() else 0.5)
-            while msg is not None:
-                self._handle(msg)
-                msg = self.sock.recv(0.0)
-            if eng.has_work() and not self._stop.is_set():
-                self._step()
-
-    def _handle(self, msg: P.Message | P.ProtocolError) -> None:
-        eng = self.engine
-        if isinstance(msg, P.AddRequest):
-            try:
-                if msg.req_id in eng.seqs:
-                    raise ValueError(f"request {msg.req_id} is already live")
-                eng.add_request(msg.req_id, msg.prompt_ids, SamplingParams.from_kwargs(**msg.params))
-            except Exception as exc:  # noqa: BLE001 - one bad request is answered, never stops the loop
-                self.sock.send(P.RequestFailed(msg.req_id, f"{type(exc).__name__}: {exc}"))
-        elif isinstance(msg, P.AbortRequest):
-            eng.abort(msg.req_id)
-        elif isinstance(msg, P.StatsQuery):
-            forgotten = eng.reset_prefix_cache() if msg.reset_prefix_cache else None
-            self.stats = eng.stats()
-            report = self.stats if forgotten is None else {**self.stats, "prefix_blocks_forgotten": forgotten}
-            self.sock.send(P.StatsReport(msg.token, self.replica, report))
-        elif isinstance(msg, P.Shutdown):
-            log.info("replica %d rank %d: shutdown", self.replica, self.rank)
-            self._stop.set()
-        elif isinstance(msg, P.ProtocolError):
-            log.warning("bad frame from the router: %s", msg)
-        else:
-            log.warning("unexpected %s from the router", type(msg).__name__)
-
-    def _step(self) -> None:
-        eng = self.engine
+    def _serve(self) -> None:
+        loop = EngineLoop(self.engine, self._on_output, stats_refresh_s=STATS_REFRESH_S)
         try:
-            # The step in flight's tokens go out as soon as they are read, which may be during this launch.
-            self._send_tokens(eng.step(emit=self._send_tokens))
-        except Exception as exc:  # noqa: BLE001 - fail the live requests, keep serving
-            log.exception("engine step failed")
-            if eng.tp is not None:
-                # The other ranks may be inside this step's collectives: the group is out of step for good.
-                # Exit, and the router fails the replica's requests and replaces it.
-                os._exit(1)
-            for req_id in list(eng.seqs):
-                eng.abort(req_id)
-                self.sock.send(P.RequestFailed(req_id, f"engine step failed: {type(exc).__name__}: {exc}"))
-            return
-        finally:
-            for req_id, why, param in eng.take_failed():     # e.g. a guide this model's vocabulary cannot follow
-                self.sock.send(P.RequestFailed(req_id, why, param))
-        now = time.monotonic()
-        if now - self._stats_at > STATS_REFRESH_S:    # for the heartbeats; not worth doing every step
-            self.stats, self._stats_at = eng.stats(), now
+            loop.run(self._receive)
+        except Exception:
+            if self.engine.tp is None:
+                raise
+            # The other ranks may be inside a failed step's collectives: the group is out of step for good.
+            # Exit, and the router fails the replica's requests and replaces it.
+            log.exception("replica %d: the leader's loop failed", self.replica)
+            os._exit(1)
 
-    def _send_tokens(self, outputs: list) -> None:
+    def _receive(self, timeout: float | None) -> Command | None:
+        """The next command from the router within `timeout` s, or None; Stop once the worker is stopping.
+        Idle (`timeout` None), it waits IDLE_POLL_S at most, so that a signal's stop is seen."""
+        while not self._stop.is_set():
+            msg = self.sock.recv(IDLE_POLL_S if timeout is None else timeout)
+            if msg is None:
+                return None
+            timeout = 0.0                             # a message that is no command: only what is there
+            if isinstance(msg, P.AddRequest):
+                try:
+                    params = SamplingParams.from_kwargs(**msg.params)
+                except Exception as exc:  # noqa: BLE001 - one bad request is answered, never stops the loop
+                    self.sock.send(P.RequestFailed(req_id=msg.req_id, message=f"{type(exc).__name__}: {exc}"))
+                    continue
+                return AddRequest(msg.req_id, msg.prompt_ids, params)
+            if isinstance(msg, P.AbortRequest):
+                return Abort(msg.req_id)
+            if isinstance(msg, P.StatsQuery):
+                return QueryStats(msg.token, msg.reset_prefix_cache)
+            if isinstance(msg, P.Shutdown):
+                log.info("replica %d rank %d: shutdown", self.replica, self.rank)
+                self._stop.set()
+            elif isinstance(msg, P.ProtocolError):
+                log.warning("bad frame from the router: %s", msg)
+            else:
+                log.warning("unexpected %s from the router", type(msg).__name__)
+        return Stop("the worker is stopping")
+
+    def _on_output(self, out: Output) -> None:
+        if isinstance(out, Tokens):
+            self._send_tokens(out.outputs)
+        elif isinstance(out, RequestEnded):
+            if out.reason == "error":                 # (the router ended the aborted ones itself)
+                self.sock.send(P.RequestFailed(req_id=out.req_id, message=out.message or "", param=out.param))
+        elif isinstance(out, Stats):
+            self.stats = out.stats                    # for the heartbeats
+            if out.tag is not None:
+                report = (out.stats if out.forgotten is None
+                          else {**out.stats, "prefix_blocks_forgotten": out.forgotten})
+                self.sock.send(P.StatsReport(token=out.tag, replica=self.replica, stats=report))
+
+    def _send_tokens(self, outputs: list[EngineOutput]) -> None:
         if not outputs:
             return
         # Prompt logprobs come once per request (with its first token) and may be megabytes: a step whose
@@ -195,7 +200,7 @@ class Worker:
         if not any(map(_prompt_lps, outputs)):        # the usual step: one pass in C
             self._send_step(outputs, False)
             return
-        group: list = []
+        group: list[EngineOutput] = []
         size = 0
         for o in outputs:
             add = _packed_bytes(o.prompt_logprobs)
@@ -206,7 +211,7 @@ class Worker:
             size += add
         self._send_step(group, True)
 
-    def _send_step(self, outputs: list, prompt_lps: bool) -> None:
+    def _send_step(self, outputs: list[EngineOutput], prompt_lps: bool) -> None:
         lps = [None if (lp := o.logprobs) is None else [lp.logprob, [list(t) for t in lp.top], lp.rank]
                for o in outputs]
         plps = None                                   # packed as the engine gave them: sent as they are
@@ -214,9 +219,11 @@ class Worker:
             plps = [o.prompt_logprobs for o in outputs]
             if all(p is None for p in plps):
                 plps = None
-        self.sock.send(P.StepTokens([o.req_id for o in outputs], [o.token_id for o in outputs],
-                                    [o.finish_reason for o in outputs], [o.cached_tokens for o in outputs],
-                                    lps if any(lp is not None for lp in lps) else None, plps))
+        self.sock.send(P.StepTokens(req_ids=[o.req_id for o in outputs], token_ids=[o.token_id for o in outputs],
+                                    finish_reasons=[o.finish_reason for o in outputs],
+                                    cached_tokens=[o.cached_tokens for o in outputs],
+                                    logprobs=lps if any(lp is not None for lp in lps) else None,
+                                    prompt_logprobs=plps))
 
     # -- heartbeat thread ----------------------------------------------------------------------------
     def _heartbeats(self, assign: P.Assign) -> None:
@@ -224,7 +231,7 @@ class Worker:
         last_echo = time.monotonic()
         try:
             while not self._stop.is_set():
-                hb.send(P.Heartbeat(self.replica, dict(self.stats)))
+                hb.send(P.Heartbeat(replica=self.replica, stats=dict(self.stats)))
                 deadline = time.monotonic() + assign.heartbeat_s
                 while (left := deadline - time.monotonic()) > 0:
                     if isinstance(hb.recv(left), P.Heartbeat):

@@ -1,5 +1,6 @@
-"""What a worker sends for a step's outputs: StepTokens on a real socket, prompt logprobs packed as the
-engine gave them, and a step with large prompt logprobs cut into several frames."""
+"""The worker process as the engine loop's driver, on a real socket: what it sends for a step's outputs
+(StepTokens, prompt logprobs packed as the engine gave them, a step with large prompt logprobs cut into several
+frames), and how router messages become the loop's commands and its other outputs go back."""
 from __future__ import annotations
 
 import zmq
@@ -52,6 +53,62 @@ def test_a_step_with_large_prompt_logprobs_is_cut_into_frames(monkeypatch):
         assert router.poll(5000)
         plain = P.decode(router.recv_multipart()[1])
         assert plain.req_ids == [5] and plain.prompt_logprobs is None and plain.logprobs is None
+    finally:
+        w.sock.close()
+        w.ctx.term()
+        router.close()
+        ctx.term()
+
+
+def test_router_messages_become_loop_commands_and_outputs_go_back():
+    """The leader's driver on a real socket: requests, aborts and stats queries become the loop's commands in
+    order; params that do not decode are answered with RequestFailed and never reach the loop; a bad frame is
+    skipped; a Shutdown becomes a Stop. Back: an error end is a RequestFailed, an abort end sends nothing
+    (the router ended it), a tagged Stats is a StatsReport and an untagged one only refreshes the heartbeat's
+    counters."""
+    from mii_async.params import SamplingParams
+    from mii_async.workers.engine_loop import Abort, AddRequest, QueryStats, RequestEnded, Stats, Stop
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    w = worker_mod.Worker(f"tcp://127.0.0.1:{port}")
+
+    def from_worker():
+        assert router.poll(5000), "the worker sent nothing"
+        return P.decode(router.recv_multipart()[1])
+
+    try:
+        w.sock.send(P.Heartbeat(replica=0, stats={}))        # the router learns the worker's routing id
+        assert isinstance(from_worker(), P.Heartbeat)
+        peer = w.name.encode()
+        for msg in (P.AddRequest(req_id=1, prompt_ids=[5, 6], params={"max_new_tokens": 3}),
+                    P.AddRequest(req_id=2, prompt_ids=[5], params={"temperature": -1}),
+                    P.AbortRequest(req_id=1), P.StatsQuery(token=9, reset_prefix_cache=True)):
+            router.send_multipart([peer, P.encode(msg)])
+        router.send_multipart([peer, b"not msgpack"])
+        router.send_multipart([peer, P.encode(P.Shutdown())])
+        cmds = []
+        for _ in range(100):                     # after a message that is no command it takes only what is
+            if len(cmds) == 4:                   # there: None while the next is still on its way
+                break
+            if (cmd := w._receive(5.0)) is not None:
+                cmds.append(cmd)
+        assert cmds == [AddRequest(1, [5, 6], SamplingParams(max_new_tokens=3)), Abort(1), QueryStats(9, True),
+                        Stop("the worker is stopping")]
+        refused = from_worker()
+        assert isinstance(refused, P.RequestFailed) and refused.req_id == 2 and "temperature" in refused.message
+        assert w._receive(0.0) == Stop("the worker is stopping")            # stopping: no more commands
+
+        w._on_output(RequestEnded(3, "abort"))
+        w._on_output(RequestEnded(4, "error", "engine step failed: RuntimeError: x", None))
+        w._on_output(Stats(None, {"running": 1}))
+        w._on_output(Stats(9, {"running": 2}, forgotten=5))
+        failed, report = from_worker(), from_worker()
+        assert (failed.req_id, failed.message, failed.param) == (4, "engine step failed: RuntimeError: x", None)
+        assert (report.token, report.stats) == (9, {"running": 2, "prefix_blocks_forgotten": 5})
+        assert w.stats == {"running": 2} and not router.poll(200)
     finally:
         w.sock.close()
         w.ctx.term()
