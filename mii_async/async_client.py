@@ -28,7 +28,7 @@ from typing import Any, AsyncIterator, Coroutine, Sequence, TypeVar
 import zmq.asyncio
 
 from . import protocol as P
-from .client_connection import Connection, Lost, within
+from .client_connection import Connection, ConnectionConfig, Lost, within
 from .errors import (EngineClosedError, InvalidParameterError, RequestTooLongError, UnavailableError,
                      error_from_code)
 from .guided import normalize_json_schema
@@ -83,6 +83,7 @@ class AsyncClient:
         self.address = address
         self.curve_dir = curve_dir
         self.ping_s, self.timeout_s = ping_s, timeout_s
+        self._conn_config = ConnectionConfig(address, curve_dir, ping_s, timeout_s)   # every loop's connection's
         self._process = _process                  # the RouterProcess when serve() started it
         self._gateway = _gateway                  # its GatewayProcess, with serve(enable_http=True)
         self.http_url: str | None = _gateway.url if _gateway is not None else None
@@ -133,7 +134,7 @@ class AsyncClient:
         SamplingParams.from_kwargs(**params)       # fail fast, naming the parameter; the router checks again
         conn = self._conn()
         req_id = str(next(self._ids))
-        msg = P.Generate(req_id, params=_wire_params(params))
+        msg = P.Generate(req_id=req_id, params=_wire_params(params))
         if isinstance(prompt, str):
             check_text("prompt", prompt)                 # msgpack could not carry it
             msg.prompt = prompt
@@ -148,9 +149,7 @@ class AsyncClient:
                     raise InvalidParameterError(f"messages[{i}]", "keys must be strings")
         else:
             raise InvalidParameterError("prompt", "must be a string, a list of token ids or a list of chat messages")
-        q: asyncio.Queue = asyncio.Queue()
-        conn.start_request()
-        conn.streams[req_id] = q
+        q = conn.open_stream(req_id)
         done = False
         try:
             try:
@@ -173,7 +172,7 @@ class AsyncClient:
         finally:
             conn.end_stream(req_id)
             if not done and not self._closed:
-                conn.send_later(P.Abort(req_id))
+                conn.send_later(P.Abort(req_id=req_id))
 
     async def _collect(self, prompt: Prompt, params: dict[str, Any]) -> Response:
         text, ids, lps = [], [], []
@@ -221,7 +220,7 @@ class AsyncClient:
         """Stops the deployment: live requests get up to `drain_s` to finish, then end with "abort"; every
         router and worker process exits. Returns once the router has exited when this client started it."""
         req_id = f"shutdown-{next(self._ids)}"
-        await within(self._ask(req_id, P.Shutdown(float(drain_s), req_id)), self.timeout_s)
+        await within(self._ask(req_id, P.Shutdown(drain_s=float(drain_s), req_id=req_id)), self.timeout_s)
         if self._process is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._process.wait, drain_s + 60.0)
             self._process.stop(10.0)
@@ -235,19 +234,17 @@ class AsyncClient:
 
     async def _query(self, what: str) -> dict:
         req_id = f"q-{next(self._ids)}"
-        return await self._ask(req_id, P.Query(req_id, what))
+        return await self._ask(req_id, P.Query(req_id=req_id, what=what))
 
     async def _ask(self, req_id: str, msg: P.Message) -> dict:
         """Sends `msg` and waits for the QueryReply with `req_id` (UnavailableError if the router is silent)."""
         conn = self._conn()
-        fut = conn.loop.create_future()
-        conn.start_request()
-        conn.queries[req_id] = fut
+        fut = conn.open_query(req_id)
         try:
             await conn.send(msg)
             return await fut
         finally:
-            conn.queries.pop(req_id, None)
+            conn.end_query(req_id)
 
     # -- plumbing ------------------------------------------------------------------------------------
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -281,7 +278,7 @@ class AsyncClient:
                     sock = self._conns.pop(old).sock
                     sock.close()
                     self._socks.remove(sock)
-                conn = self._conns[loop] = Connection(self, loop)
+                conn = self._conns[loop] = Connection(self._conn_config, self._ctx, loop)
                 self._socks.append(conn.sock)
         return conn
 

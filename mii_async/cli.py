@@ -90,7 +90,8 @@ def _serve(a: argparse.Namespace) -> int:
 
     from .config import HttpConfig, split_serve_kwargs
     from .gateway.main import API_KEY_ENV
-    from .router.main import run_router, run_uvloop
+    from .lifecycle import run_uvloop
+    from .router.main import run_router
 
     logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
     os.environ["MII_ASYNC_LOG_LEVEL"] = a.log_level          # the workers and the gateway start with it

@@ -1,6 +1,7 @@
 """A client's connection per event loop: one DEALER socket to the router, the task that reads it and routes
 each message to its stream's queue or its query's future, and the pinger that tells a silent router from a
-busy one (AsyncClient, async_client.py, holds one per loop that uses it)."""
+busy one. AsyncClient (async_client.py) holds one per loop that uses it; the connection knows the client only
+through its ConnectionConfig and the ZeroMQ context it shares."""
 from __future__ import annotations
 
 import asyncio
@@ -9,18 +10,33 @@ import logging
 import sys
 import time
 import uuid
-from typing import TYPE_CHECKING, Awaitable, TypeVar
+from dataclasses import dataclass
+from typing import Awaitable, TypeVar
+
+import zmq.asyncio
 
 from . import protocol as P
-from .errors import UnavailableError, error_from_code
+from .errors import InvalidParameterError, UnavailableError, error_from_code
 from .transport import DealerSocket
-
-if TYPE_CHECKING:
-    from .async_client import AsyncClient
 
 log = logging.getLogger("mii_async.client")
 T = TypeVar("T")
 ABORT_LINGER_S = 1.0       # how long a closed connection's last Aborts may take to leave
+
+
+@dataclass(frozen=True)
+class ConnectionConfig:
+    """What every connection of one client shares."""
+    address: str                   # the router's clients' socket, "tcp://host:port"
+    curve_dir: str | None = None   # CURVE keys (`mii-async keys DIR`); None: no encryption
+    ping_s: float = 2.0            # ping period while requests are outstanding
+    timeout_s: float = 30.0        # a router silent this long fails what is outstanding; also bounds each send
+
+    def __post_init__(self) -> None:
+        for name in ("ping_s", "timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise InvalidParameterError(name, f"must be a positive number of seconds, got {v!r}")
 
 
 class Lost(Exception):
@@ -30,10 +46,12 @@ class Lost(Exception):
 class Connection:
     """One event loop's socket to the router, its reader and its pinger."""
 
-    def __init__(self, client: AsyncClient, loop: asyncio.AbstractEventLoop) -> None:
-        self.client, self.loop = client, loop
-        self.sock = DealerSocket(client._ctx, client.address, identity=f"c-{uuid.uuid4().hex}".encode(),
-                                 curve_dir=client.curve_dir)
+    def __init__(self, config: ConnectionConfig, ctx: zmq.asyncio.Context, loop: asyncio.AbstractEventLoop) -> None:
+        """Connects a socket of `ctx` (the client's) and starts the reader and the pinger on `loop`, the loop
+        that will use it."""
+        self.config, self.loop = config, loop
+        self.sock = DealerSocket(ctx, config.address, identity=f"c-{uuid.uuid4().hex}".encode(),
+                                 curve_dir=config.curve_dir)
         self.streams: dict[str, asyncio.Queue] = {}
         self.queries: dict[str, asyncio.Future] = {}
         self.last_heard = time.monotonic()
@@ -53,9 +71,26 @@ class Connection:
     def outstanding(self) -> bool:
         return bool(self.streams or self.queries)
 
-    def start_request(self) -> None:
+    def _start_request(self) -> None:
         if not self.outstanding():
             self.busy_since = time.monotonic()
+
+    def open_stream(self, req_id: str) -> asyncio.Queue:
+        """The queue that the stream `req_id`'s Deltas, ErrorReply or Lost will arrive in."""
+        self._start_request()
+        q: asyncio.Queue = asyncio.Queue()
+        self.streams[req_id] = q
+        return q
+
+    def open_query(self, req_id: str) -> asyncio.Future:
+        """The future that the QueryReply for `req_id` (or its error) will be set on."""
+        self._start_request()
+        fut = self.loop.create_future()
+        self.queries[req_id] = fut
+        return fut
+
+    def end_query(self, req_id: str) -> None:
+        self.queries.pop(req_id, None)
 
     def sent(self, req_id: str) -> None:
         """A stream's request went out (after every ping sent before it, before every later one)."""
@@ -110,7 +145,7 @@ class Connection:
     async def _send_ping(self) -> None:
         ping_id = f"ping-{next(self._pings)}"
         self._ping_marks[ping_id] = next(self._sends)    # streams sent before this mark are in the answer
-        await self.sock.send(P.Query(ping_id, "ping"))
+        await self.sock.send(P.Query(req_id=ping_id, what="ping"))
 
     def _check_live(self, mark: int, live: object) -> None:
         """A router restarted on the same address answers pings but never heard of the requests sent to the
@@ -125,12 +160,12 @@ class Connection:
                 continue
             self._missed[req_id] = self._missed.get(req_id, 0) + 1
             if self._missed[req_id] >= 2:
-                self._lose(req_id, f"the router at {self.client.address} does not know this request: it "
+                self._lose(req_id, f"the router at {self.config.address} does not know this request: it "
                                    "restarted (or lost it) since the request was sent")
                 self.sent_at.pop(req_id)
 
     async def _ping(self) -> None:
-        c = self.client
+        c = self.config
         pending: asyncio.Task | None = None
         while True:
             await asyncio.sleep(c.ping_s)
@@ -154,10 +189,10 @@ class Connection:
     async def send(self, msg: P.Message) -> None:
         """Sends, or raises UnavailableError when no connection to the router comes up within timeout_s."""
         try:
-            await within(self.sock.send(msg), self.client.timeout_s)
+            await within(self.sock.send(msg), self.config.timeout_s)
         except asyncio.TimeoutError:
-            raise UnavailableError(f"could not reach the router at {self.client.address} "
-                                   f"within {self.client.timeout_s:g} s") from None
+            raise UnavailableError(f"could not reach the router at {self.config.address} "
+                                   f"within {self.config.timeout_s:g} s") from None
 
     def close(self) -> None:
         """Fails what is outstanding and closes the socket, on this connection's loop. The router is told to
@@ -171,7 +206,7 @@ class Connection:
         for t in [*self.tasks, *self._bg]:
             if not self.loop.is_closed():        # (a loop closed with them pending cannot take the cancel)
                 t.cancel()
-        sent = [m for m in [*(P.Abort(req_id) for req_id in live), *later] if self.sock.send_nowait(m)]
+        sent = [m for m in [*(P.Abort(req_id=req_id) for req_id in live), *later] if self.sock.send_nowait(m)]
         self.sock.close(linger_s=ABORT_LINGER_S if sent else 0.0)
 
 

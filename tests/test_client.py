@@ -218,7 +218,7 @@ def test_silent_client_loses_its_requests(small):
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.connect(small.address)
-    s.send(P.encode(P.Generate("x", prompt="Tell me a long story.", params={"max_new_tokens": 500, "ignore_eos": True})))
+    s.send(P.encode(P.Generate(req_id="x", prompt="Tell me a long story.", params={"max_new_tokens": 500, "ignore_eos": True})))
     assert s.poll(30_000), "no delta from the router"
     s.close(linger=0)
     ctx.term()
@@ -304,7 +304,7 @@ def test_a_silent_router_tells_a_slow_reader_once():
             first = asyncio.ensure_future(stream.__anext__())
             got = await router.recv()                 # the Generate; answer one token, then nothing
             assert isinstance(got.message, P.Generate)
-            await router.send(got.peer, P.Delta(got.message.req_id, "Paris", [42]))
+            await router.send(got.peer, P.Delta(req_id=got.message.req_id, text="Paris", token_ids=[42]))
             assert (await first).text == "Paris"
             await asyncio.sleep(1.2)                  # ~18 pings' time, all past timeout_s
             (conn,) = client._conns.values()
@@ -316,10 +316,21 @@ def test_a_silent_router_tells_a_slow_reader_once():
             seen = []
             while not any(isinstance(m, P.Abort) for m in seen):
                 seen.append((await asyncio.wait_for(router.recv(), 5)).message)
-            assert P.Abort(got.message.req_id) in seen
+            assert P.Abort(req_id=got.message.req_id) in seen
         finally:
             client.close()
             router.close()
             await asyncio.sleep(0.05)                 # the cancelled reader and pinger finish on this loop
             ctx.term()
     asyncio.run(main())
+
+
+def test_connection_settings_are_checked_naming_the_parameter():
+    """A client's ping period and timeout must be positive seconds: a bad one is refused at construction,
+    named, before any socket is made."""
+    from mii_async.async_client import AsyncClient
+
+    for kw, param in ((dict(ping_s=0), "ping_s"), (dict(timeout_s=-1.0), "timeout_s"), (dict(timeout_s="5"), "timeout_s")):
+        with pytest.raises(InvalidParameterError) as e:
+            AsyncClient("tcp://127.0.0.1:9", **kw)
+        assert e.value.param == param

@@ -1,6 +1,9 @@
 """Wire messages: every type round-trips through msgpack; malformed frames raise ProtocolError."""
 from __future__ import annotations
 
+import dataclasses
+import typing
+
 import msgpack
 import pytest
 from hypothesis import given, settings
@@ -14,26 +17,31 @@ from tests.packed_logprobs import pack
 PLPS = pack([(-2.5, [(3, -0.125), (9, -3.0)])], 2)     # a 2-token prompt's, 2 alternatives
 
 SAMPLES = [
-    p.Generate("r1", prompt="héllo 你好", params={"max_new_tokens": 3, "stop": ["\n"]}),
-    p.Generate("r2", prompt_ids=[0, 1, 2**32 - 1]),
-    p.Generate("r3", messages=[{"role": "user", "content": "hi"}]),
-    p.Abort("r1"),
-    p.Delta("r1", "text", [5, 6], [[5, -0.1, [[5, -0.1]], 1]], "stop", {"prompt_tokens": 3}, None),
-    p.DeltaBatch([p.Delta("r1", "a", [5]), p.Delta("r2", "", [], None, "length", {"prompt_tokens": 3}, None, [1, 2]),
-                  p.Delta("r3", "é", [7], [[7, -0.5, [], None]])]),
-    p.DeltaBatch([]),
-    p.ErrorReply("r1", "invalid_parameter", "temperature: must be ≥ 0", "temperature"),
-    p.ErrorReply(None, "bad_frame", "not msgpack"),
-    p.AddRequest(7, [1, 2, 3], {"temperature": 0.5}),
-    p.AbortRequest(7),
-    p.StepTokens([7, 8], [11, 12], [None, "length"], [0, 16], [None, [-0.5, [[12, -0.5]], 1]]),
-    p.StepTokens([7, 8], [11, 12], [None, None], [0, 0], None, [PLPS, None]),
-    p.Delta("r1", "a", [5], None, None, None, None, [1, 3], PLPS),
-    p.Delta("r1", "a", [5], None, None, None, None, [1], pack([], 0)),
-    p.Ready(0, 1, {"num_blocks": 10}),
-    p.Heartbeat(0, {"used_blocks": 3}),
-    p.RequestFailed(7, "boom"),
-    p.Shutdown(2.5),
+    p.Generate(req_id="r1", prompt="héllo 你好", params={"max_new_tokens": 3, "stop": ["\n"]}),
+    p.Generate(req_id="r2", prompt_ids=[0, 1, 2**32 - 1]),
+    p.Generate(req_id="r3", messages=[{"role": "user", "content": "hi"}]),
+    p.Abort(req_id="r1"),
+    p.Delta(req_id="r1", text="text", token_ids=[5, 6], logprobs=[[5, -0.1, [[5, -0.1]], 1]], finish_reason="stop",
+            usage={"prompt_tokens": 3}),
+    p.DeltaBatch(deltas=[p.Delta(req_id="r1", text="a", token_ids=[5]),
+                         p.Delta(req_id="r2", text="", token_ids=[], finish_reason="length", usage={"prompt_tokens": 3},
+                                 prompt_ids=[1, 2]),
+                         p.Delta(req_id="r3", text="é", token_ids=[7], logprobs=[[7, -0.5, [], None]])]),
+    p.DeltaBatch(deltas=[]),
+    p.ErrorReply(req_id="r1", code="invalid_parameter", message="temperature: must be ≥ 0", param="temperature"),
+    p.ErrorReply(req_id=None, code="bad_frame", message="not msgpack"),
+    p.AddRequest(req_id=7, prompt_ids=[1, 2, 3], params={"temperature": 0.5}),
+    p.AbortRequest(req_id=7),
+    p.StepTokens(req_ids=[7, 8], token_ids=[11, 12], finish_reasons=[None, "length"], cached_tokens=[0, 16],
+                 logprobs=[None, [-0.5, [[12, -0.5]], 1]]),
+    p.StepTokens(req_ids=[7, 8], token_ids=[11, 12], finish_reasons=[None, None], cached_tokens=[0, 0],
+                 prompt_logprobs=[PLPS, None]),
+    p.Delta(req_id="r1", text="a", token_ids=[5], prompt_ids=[1, 3], prompt_logprobs=PLPS),
+    p.Delta(req_id="r1", text="a", token_ids=[5], prompt_ids=[1], prompt_logprobs=pack([], 0)),
+    p.Ready(replica=0, rank=1, info={"num_blocks": 10}),
+    p.Heartbeat(replica=0, stats={"used_blocks": 3}),
+    p.RequestFailed(req_id=7, message="boom"),
+    p.Shutdown(drain_s=2.5),
 ]
 
 
@@ -43,9 +51,26 @@ def test_round_trip(msg):
     assert p.decode(p.encode(msg)) == msg
 
 
+def test_every_message_type_is_in_one_hop_and_in_the_union():
+    """Each registered message is declared in exactly one hop's module and is a member of Message, and back."""
+    assert set(typing.get_args(p.Message)) == set(p._TYPES.values())
+    for name, cls in p._TYPES.items():
+        assert (getattr(p.client, name, None) is cls) != (getattr(p.worker, name, None) is cls), name
+
+
+@pytest.mark.parametrize("name", sorted(p._TYPES))
+def test_messages_are_built_by_keyword_only(name):
+    """Every field is given by name: a positional argument is a TypeError (a reordered field cannot slip in)."""
+    cls = p._TYPES[name]
+    names = [f.name for f in dataclasses.fields(cls)]
+    assert [f.name for f in dataclasses.fields(cls(**dict.fromkeys(names)))] == names
+    with pytest.raises(TypeError, match="positional argument"):
+        cls(*[None] * len(names))
+
+
 def test_a_batch_packs_each_deltas_token_ids():
     """A DeltaBatch carries each Delta as a map of its fields, token ids packed, with no version or type."""
-    frame = msgpack.unpackb(p.encode(p.DeltaBatch([p.Delta("r1", "a", [5, 6])])))
+    frame = msgpack.unpackb(p.encode(p.DeltaBatch(deltas=[p.Delta(req_id="r1", text="a", token_ids=[5, 6])])))
     assert frame["deltas"][0]["token_ids"] == bytes([5, 0, 0, 0, 6, 0, 0, 0])
     assert "v" not in frame["deltas"][0] and "t" not in frame["deltas"][0]
 
@@ -57,11 +82,12 @@ def test_prompt_logprobs_bytes_bounds_the_encoded_size(n):
     for length in (1, 2, 1000):
         plps = pack([(-1.0 / 3, [(2**32 - 1, -1.0 / 3)] * n)] * (length - 1), n)
         ids = [2**32 - 1] * length
-        bare = len(p.encode(p.Delta("r", "", [5])))
-        added = len(p.encode(p.Delta("r", "", [5], None, None, None, None, ids, plps))) - bare
+        bare = len(p.encode(p.Delta(req_id="r", text="", token_ids=[5])))
+        added = len(p.encode(p.Delta(req_id="r", text="", token_ids=[5], prompt_ids=ids, prompt_logprobs=plps))) - bare
         assert added <= packed.prompt_logprobs_bytes(length, n)
-        bare = len(p.encode(p.StepTokens([1], [5], [None], [0])))
-        assert len(p.encode(p.StepTokens([1], [5], [None], [0], None, [plps]))) - bare <= added
+        step = {"req_ids": [1], "token_ids": [5], "finish_reasons": [None], "cached_tokens": [0]}
+        bare = len(p.encode(p.StepTokens(**step)))
+        assert len(p.encode(p.StepTokens(**step, prompt_logprobs=[plps]))) - bare <= added
     assert packed.prompt_logprobs_bytes(1000, n) - added <= 0.001 * added + 32
 
 
@@ -69,10 +95,11 @@ def test_prompt_logprobs_travel_packed():
     """A prompt's logprobs travel as [n, own, top_ids, top_logprobs, ranks]: float32 and uint32 little-endian
     bins, not msgpack lists, and decode to Logprobs with the prompt's ids (None first, top best first, the
     rank)."""
-    frame = msgpack.unpackb(p.encode(p.Delta("r", "", [5], None, None, None, None, [1, 3], PLPS)))
+    delta = p.Delta(req_id="r", text="", token_ids=[5], prompt_ids=[1, 3], prompt_logprobs=PLPS)
+    frame = msgpack.unpackb(p.encode(delta))
     assert frame["prompt_logprobs"] == [2, b"\x00\x00\x20\xc0", bytes([3, 0, 0, 0, 9, 0, 0, 0]),
                                         b"\x00\x00\x00\xbe\x00\x00\x40\xc0", bytes([2, 0, 0, 0])]
-    d = p.decode(p.encode(p.Delta("r", "", [5], None, None, None, None, [1, 3], PLPS)))
+    d = p.decode(p.encode(delta))
     assert d.prompt_logprobs.to_logprobs(d.prompt_ids) == [None, Logprob(3, -2.5, [(3, -0.125), (9, -3.0)], 2)]
     assert pack([(-1.0, [])] * 3, 0).to_logprobs([1, 2, 3, 4]) == [None] + [Logprob(t, -1.0, [], 1) for t in (2, 3, 4)]
 
@@ -121,7 +148,7 @@ def test_step_tokens_keep_a_malformed_entry_for_the_router():
 
 def test_token_ids_are_packed():
     """Token ids travel as a packed uint32 array: 4 bytes each, not a msgpack list."""
-    frame = msgpack.unpackb(p.encode(p.AddRequest(1, list(range(1000)))))
+    frame = msgpack.unpackb(p.encode(p.AddRequest(req_id=1, prompt_ids=list(range(1000)))))
     assert isinstance(frame["prompt_ids"], bytes) and len(frame["prompt_ids"]) == 4000
 
 
@@ -173,8 +200,8 @@ def test_a_message_too_large_for_a_frame_is_not_encoded():
     """encode refuses a message over MAX_FRAME_BYTES (FrameTooLarge, a ProtocolError) rather than hand the
     socket a frame that makes the peer drop the whole connection."""
     with pytest.raises(p.FrameTooLarge, match="16 MiB"):
-        p.encode(p.Generate("big", prompt="x" * p.MAX_FRAME_BYTES))
-    assert len(p.encode(p.Generate("ok", prompt="x" * (p.MAX_FRAME_BYTES - 1000)))) <= p.MAX_FRAME_BYTES
+        p.encode(p.Generate(req_id="big", prompt="x" * p.MAX_FRAME_BYTES))
+    assert len(p.encode(p.Generate(req_id="ok", prompt="x" * (p.MAX_FRAME_BYTES - 1000)))) <= p.MAX_FRAME_BYTES
 
 
 def test_a_refused_generate_or_query_keeps_its_req_id():

@@ -21,11 +21,11 @@ def test_round_trip_over_loopback():
         router = RouterSocket(ctx, "tcp://127.0.0.1:*")
         dealer = DealerSocket(ctx, router.address)
         try:
-            await dealer.send(p.Generate("r1", prompt="hi"))
+            await dealer.send(p.Generate(req_id="r1", prompt="hi"))
             got = await router.recv()
-            assert got.message == p.Generate("r1", prompt="hi")
-            await router.send(got.peer, p.Delta("r1", "hello", [1, 2]))
-            assert await dealer.recv() == p.Delta("r1", "hello", [1, 2])
+            assert got.message == p.Generate(req_id="r1", prompt="hi")
+            await router.send(got.peer, p.Delta(req_id="r1", text="hello", token_ids=[1, 2]))
+            assert await dealer.recv() == p.Delta(req_id="r1", text="hello", token_ids=[1, 2])
         finally:
             dealer.close(), router.close(), ctx.term()
 
@@ -46,9 +46,9 @@ def test_bad_and_oversize_frames_never_stop_the_receiver():
             assert isinstance(got.message, p.ProtocolError) and router.bad_frames == 1
             await raw.send(b"x" * (p.MAX_FRAME_BYTES + 10))      # libzmq disconnects this peer
             good = DealerSocket(ctx, router.address)
-            await good.send(p.Abort("r9"))
+            await good.send(p.Abort(req_id="r9"))
             got = await router.recv()
-            assert got.message == p.Abort("r9")
+            assert got.message == p.Abort(req_id="r9")
             good.close()
         finally:
             raw.close(linger=0), router.close(), ctx.term()

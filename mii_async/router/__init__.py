@@ -1,1 +1,1 @@
-"""The router side: incremental detokenization (used by the local pipeline too)."""
+"""The router process: clients in, replicas out, tokens streamed back (server.py around the core, core.py)."""

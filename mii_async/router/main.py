@@ -19,7 +19,7 @@ import sys
 from typing import Callable
 
 from ..config import EngineConfig, ServeConfig
-from ..lifecycle import set_process_name, watch_lifeline
+from ..lifecycle import run_uvloop, set_process_name, watch_lifeline
 
 log = logging.getLogger("mii_async.router")
 
@@ -30,7 +30,7 @@ async def run_router(serve: ServeConfig, engine: EngineConfig, on_ready: Callabl
     """`on_stopper` receives a function that any thread may call to stop the deployment as a first signal
     would: it starts a drain, and leaves one in progress alone (a second signal would cut it short)."""
     from ..errors import MIIAsyncError, error_code
-    from .server import Router, _StartupError
+    from .server import Router, StartupError
 
     loop = asyncio.get_running_loop()
     try:
@@ -57,7 +57,7 @@ async def run_router(serve: ServeConfig, engine: EngineConfig, on_ready: Callabl
     try:
         await router.start()
         await router.wait_ready()
-    except _StartupError as exc:
+    except StartupError as exc:
         on_ready({"error": str(exc), "code": exc.code})
         await router.shutdown(0.0)
         return 1
@@ -102,14 +102,6 @@ def main(argv: list[str] | None = None) -> int:
             os.close(a.status_fd)
 
     return run_uvloop(run_router(serve, engine, on_ready, a.lifeline_fd))
-
-
-def run_uvloop(coro) -> int:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ class StatsQueries:
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._waiters[token] = (fut, {r.index for r in ready}, {})
         for rep in ready:
-            await self.workers_sock.send(rep.leader, P.StatsQuery(token, reset_prefix_cache))
+            await self.workers_sock.send(rep.leader, P.StatsQuery(token=token, reset_prefix_cache=reset_prefix_cache))
         try:
             timeout = RESET_TIMEOUT_S if reset_prefix_cache else STATS_TIMEOUT_S
             per = await asyncio.wait_for(fut, timeout) if ready else {}

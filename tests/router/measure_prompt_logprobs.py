@@ -6,7 +6,7 @@ For a prompt of `positions` + 1 tokens with prompt_logprobs=n, on random values,
 own with the project's real code, best of `--repeat`:
 - engine: `read_scores` of the scored rows, 512 a step (MAX_SCORED_ROWS), then the first output's form;
 - worker: `Worker._send_step` of that output, up to the encoded StepTokens frame;
-- router: decoding that frame and `WorkerLink._on_step` with a live request (checks, RequestState, the
+- router: decoding that frame and `RouterCore.step_tokens` with a live request (checks, RequestState, the
   client's Delta, encoded) — the time the router's event loop is busy, every other request's tokens waiting;
 - client: decoding the Delta frame and making the StreamChunk (`Logprob` objects).
 Works on the protocol before and after the packed form (version 3 and 4), for the before/after figures in
@@ -15,7 +15,6 @@ docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import tempfile
 import time
 from types import SimpleNamespace
@@ -25,10 +24,11 @@ import torch
 from mii_async import protocol as P
 from mii_async import async_client
 from mii_async.params import SamplingParams
-from mii_async.router.replicas import Replica, WorkerInfo
+from mii_async.router.admission import Admission
+from mii_async.router.balancer import Balancer
+from mii_async.router.core import RouterCore, ToClient
+from mii_async.router.replicas import Replica, ReplicaSet, WorkerInfo
 from mii_async.text.request_state import RequestState
-from mii_async.router.server import Router
-from mii_async.router.worker_link import WorkerLink
 from mii_async.workers.sampling import prompt_logprobs as plmod
 from mii_async.workers.engine import EngineOutput
 from mii_async.workers.core.sequence import Sequence
@@ -63,25 +63,15 @@ def _engine_output(prompt: list[int], n: int, gen: torch.Generator) -> tuple[flo
     return time.perf_counter() - t, EngineOutput(1, 5, None, None, 0, first)
 
 
-def _router(tok) -> SimpleNamespace:
-    """The parts of a Router that WorkerLink._on_step uses, with real methods; deltas are encoded, not sent."""
-    r = SimpleNamespace(live={}, frames=[])
-
-    async def send_deltas(peer, deltas):
-        r.frames.append(P.encode(deltas[0] if len(deltas) == 1 else P.DeltaBatch(deltas)))
-
-    async def send(peer, msg):
-        P.encode(msg)
-
-    r.send_deltas = send_deltas
-    r.workers_sock = SimpleNamespace(send=send)
-    r.delta = lambda live, chunk: Router.delta(r, live, chunk)
-    r.forget = lambda live: r.live.pop(live.rid, None)
-    rep = Replica(0, 0, 1, False, state="ready")
+def _core(tok) -> RouterCore:
+    """A router core with one ready replica, whose leader is b"w"."""
+    replicas = ReplicaSet(1, "tcp://127.0.0.1:1", None)
+    rep = replicas.replicas[0] = Replica(0, 0, 1, False, state="ready")
     rep.workers[0] = WorkerInfo("w", 0, 0, "h", True, {"vocab_size": VOCAB, "max_model_len": 1 << 20,
                                                       "max_request_tokens": 1 << 20})
-    r.replica = rep
-    return r
+    core = RouterCore(replicas, Balancer(), Admission(1 << 10, 1 << 40), tok)
+    core.state = "ready"
+    return core
 
 
 def measure(positions: int, n: int, repeat: int, tok) -> dict[str, float]:
@@ -96,18 +86,19 @@ def measure(positions: int, n: int, repeat: int, tok) -> dict[str, float]:
     frame = sent[0]
 
     params = SamplingParams(max_new_tokens=2, prompt_logprobs=n)
-    r = _router(tok)
-    link = WorkerLink(r)
+    core = _core(tok)
 
     def route():
-        r.frames.clear()
-        live = SimpleNamespace(rid=1, peer=b"c", creq="q", replica=r.replica, cost=0,
-                               state=RequestState(tok, None, prompt, params))
-        r.live[1] = live
+        live = core.requests.open(b"c", "q", params)
+        core.requests.dispatch(live, RequestState(tok, None, prompt, params), core.replicas.replicas[0], 0)
         msg = P.decode(frame)
-        asyncio.run(link._on_step(b"w", msg))
-        assert len(r.frames) == 1, "the Delta did not go out"
-        return r.frames[0]
+        msg.req_ids = [live.rid]                  # the engine output's number, as this router numbers it
+        core.step_tokens(b"w", msg)
+        frames = [P.encode(s.msg) for s in core.sends if isinstance(s, ToClient)]   # what the shell would send
+        core.sends.clear()
+        core.requests.forget(live)
+        assert len(frames) == 1, "the Delta did not go out"
+        return frames[0]
     router_s, delta_frame = _best(route, repeat)
 
     def client():

@@ -37,3 +37,42 @@ def test_forget_clears_affinity():
     assert b.matched_blocks(0, b.prefix_hashes(prompt)) == 2
     b.forget(0)
     assert b.matched_blocks(0, b.prefix_hashes(prompt)) == 0
+
+
+def test_close_loads_without_affinity_go_to_the_least_loaded():
+    """Within the slack and with no remembered prefix, the lesser load still wins (then the lower index)."""
+    b = Balancer(16, min_slack_tokens=256)
+    assert b.pick([Candidate(0, 200), Candidate(1, 150), Candidate(2, 180)], [1, 2, 3]) == 1
+    assert b.pick([Candidate(2, 50), Candidate(0, 50)], [1, 2, 3]) == 0
+
+
+def test_the_slack_grows_with_the_least_load():
+    """Affinity holds within `slack` of the least load once that exceeds min_slack_tokens: 25 % over a least
+    load of 10 000 keeps the prefix's replica, 30 % does not."""
+    b = Balancer(16, slack=0.25, min_slack_tokens=256)
+    prompt = list(range(48))
+    assert b.pick([Candidate(0, 0), Candidate(1, 10)], prompt) == 0
+    assert b.pick([Candidate(0, 12_500), Candidate(1, 10_000)], prompt) == 0
+    assert b.pick([Candidate(0, 13_000), Candidate(1, 10_000)], prompt) == 1
+
+
+def test_affinity_follows_the_longest_shared_prefix():
+    """Hashes chain block by block: a prompt that differs in its first block shares nothing, and the replica
+    that holds more of the prefix wins over one that holds less."""
+    b = Balancer(16)
+    base = list(range(64))
+    assert b.pick([Candidate(0, 0)], base[:16]) == 0              # replica 0: block 0 only
+    assert b.pick([Candidate(1, 0)], base) == 1                   # replica 1: blocks 0-3
+    assert b.pick([Candidate(0, 0), Candidate(1, 0)], base + [5]) == 1
+    other = [999] + base[1:]
+    assert b.matched_blocks(1, b.prefix_hashes(other)) == 0
+
+
+def test_affinity_memory_is_bounded():
+    """Past `memory` hashes a replica forgets its oldest prefixes first."""
+    b = Balancer(16, memory=4)
+    first, second = list(range(64)), list(range(100, 164))
+    b.pick([Candidate(0, 0)], first)
+    b.pick([Candidate(0, 0)], second)
+    assert b.matched_blocks(0, b.prefix_hashes(first)) == 0
+    assert b.matched_blocks(0, b.prefix_hashes(second)) == 4

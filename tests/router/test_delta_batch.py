@@ -18,7 +18,7 @@ def test_a_clients_requests_of_one_step_come_in_one_frame(deployment):
     s.connect(deployment.address)
     try:
         for i, p in enumerate(prompts):
-            s.send(P.encode(P.Generate(f"b{i}", prompt_ids=p, params={"max_new_tokens": 6, "min_new_tokens": 6})))
+            s.send(P.encode(P.Generate(req_id=f"b{i}", prompt_ids=p, params={"max_new_tokens": 6, "min_new_tokens": 6})))
         got: dict[str, list[P.Delta]] = {f"b{i}": [] for i in range(6)}
         batches = 0
         while any(not d or d[-1].finish_reason is None for d in got.values()):

@@ -23,7 +23,7 @@ frames = st.one_of(
     st.builds(lambda t, d: msgpack.packb({"v": P.PROTOCOL_VERSION, "t": t, **d}), _names,
               st.dictionaries(st.sampled_from(["req_id", "prompt", "prompt_ids", "params", "messages", "what",
                                                "drain_s", "x"]), _values, max_size=4)),
-    st.builds(lambda p: P.encode(P.Generate("fz", prompt="hi", params=p)),        # well formed, bad params
+    st.builds(lambda p: P.encode(P.Generate(req_id="fz", prompt="hi", params=p)),        # well formed, bad params
               st.dictionaries(st.sampled_from(["temperature", "top_p", "max_new_tokens", "stop", "seed", "logprobs",
                                                "bogus"]), _values, max_size=3)),
 )
@@ -91,7 +91,7 @@ def test_stats_reports_count_only_from_the_replicas_leader(deployment):
     def flood() -> None:
         while not stop.is_set():
             for token in range(40):         # the router numbers its queries from 0
-                w.send(P.encode(P.StatsReport(token, 0, bogus)))
+                w.send(P.encode(P.StatsReport(token=token, replica=0, stats=bogus)))
             stop.wait(0.005)
 
     t = threading.Thread(target=flood, daemon=True)

@@ -30,9 +30,9 @@ class ScriptedWorker:
         self.sock.setsockopt(zmq.IDENTITY, self.name.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
-        self.send(P.Hello(self.name, -1, 0, os.getpid(), socket.gethostname()))
+        self.send(P.Hello(worker=self.name, replica=-1, rank=0, pid=os.getpid(), host=socket.gethostname()))
         assign = self.recv(P.Assign)
-        self.send(P.Ready(assign.replica, 0, dict(LIMITS)))
+        self.send(P.Ready(replica=assign.replica, rank=0, info=dict(LIMITS)))
 
     def send(self, msg: P.Message) -> None:
         self.sock.send(P.encode(msg))
@@ -86,9 +86,9 @@ def test_prompt_logprobs_reach_the_client(router):
     add = w.recv(P.AddRequest)
     assert add.prompt_ids == prompt and add.params["prompt_logprobs"] == 2
     plps = pack([(-1.0 - i, [(5, -0.5), (6, -1.5)]) for i in range(3)], 2, ranks=[2, 40, 319])
-    w.send(P.StepTokens([add.req_id], [7], [None], [0], None, [plps, None]))         # not parallel: dropped
-    w.send(P.StepTokens([add.req_id], [8], [None], [0], None, [plps]))
-    w.send(P.StepTokens([add.req_id], [9], ["length"], [0]))
+    w.send(P.StepTokens(req_ids=[add.req_id], token_ids=[7], finish_reasons=[None], cached_tokens=[0], logprobs=None, prompt_logprobs=[plps, None]))         # not parallel: dropped
+    w.send(P.StepTokens(req_ids=[add.req_id], token_ids=[8], finish_reasons=[None], cached_tokens=[0], logprobs=None, prompt_logprobs=[plps]))
+    w.send(P.StepTokens(req_ids=[add.req_id], token_ids=[9], finish_reasons=["length"], cached_tokens=[0]))
     [r] = fut.result(30)
     assert r.token_ids == [8, 9]
     assert r.prompt_logprobs == [None] + [Logprob(t, -1.0 - i, [(5, -0.5), (6, -1.5)], rank)
@@ -106,10 +106,10 @@ def test_the_router_forwards_the_packed_bytes(router):
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(client.address)
-        sock.send(P.encode(P.Generate("raw", prompt_ids=prompt, params={"max_new_tokens": 1,
+        sock.send(P.encode(P.Generate(req_id="raw", prompt_ids=prompt, params={"max_new_tokens": 1,
                                                                         "prompt_logprobs": 2})))
         add = w.recv(P.AddRequest)
-        w.send(P.StepTokens([add.req_id], [5], ["length"], [0], None, [plps]))
+        w.send(P.StepTokens(req_ids=[add.req_id], token_ids=[5], finish_reasons=["length"], cached_tokens=[0], logprobs=None, prompt_logprobs=[plps]))
         assert sock.poll(30_000), "no Delta"
         d = P.decode(sock.recv())
         assert isinstance(d, P.Delta) and d.prompt_ids == prompt and d.token_ids == [5]
@@ -158,8 +158,8 @@ def test_malformed_prompt_logprobs_fail_the_request(router, case):
     other = _ask(client, [1, 5], max_new_tokens=1, logprobs=1, prompt_logprobs=3)
     add2 = w.recv(P.AddRequest)
     good = pack([(-0.75, [(4, -0.5), (5, -0.75), (6, -2.0)])], 3)
-    w.send(P.StepTokens([add.req_id, add2.req_id], [8, 9], [None, "length"], [0, 0],
-                        [None, [-0.25, [[9, -0.25]], 1]], [bad, good]))
+    w.send(P.StepTokens(req_ids=[add.req_id, add2.req_id], token_ids=[8, 9], finish_reasons=[None, "length"], cached_tokens=[0, 0],
+                        logprobs=[None, [-0.25, [[9, -0.25]], 1]], prompt_logprobs=[bad, good]))
     assert w.recv(P.AbortRequest).req_id == add.req_id
     [r] = fut.result(30)
     assert r.finish_reason == "error" and "malformed logprobs" in r.error
@@ -169,7 +169,7 @@ def test_malformed_prompt_logprobs_fail_the_request(router, case):
     assert r2.prompt_logprobs == [None, Logprob(5, -0.75, [(4, -0.5), (5, -0.75), (6, -2.0)], 2)]
     after = _ask(client, [1, 5, 9, 33], max_new_tokens=1, prompt_logprobs=1)
     add3 = w.recv(P.AddRequest)
-    w.send(P.StepTokens([add3.req_id], [8], ["length"], [0], None, [pack([(-1.0, [(5, -0.5)])] * 3, 1)]))
+    w.send(P.StepTokens(req_ids=[add3.req_id], token_ids=[8], finish_reasons=["length"], cached_tokens=[0], logprobs=None, prompt_logprobs=[pack([(-1.0, [(5, -0.5)])] * 3, 1)]))
     [r3] = after.result(30)
     assert r3.finish_reason == "length"
     assert r3.prompt_logprobs == [None] + [Logprob(t, -1.0, [(5, -0.5)], 2) for t in (5, 9, 33)]
@@ -180,7 +180,7 @@ def test_prompt_logprobs_a_request_did_not_ask_for_fail_it(router):
     client, w = router
     fut = _ask(client, [1, 5], max_new_tokens=2)
     add = w.recv(P.AddRequest)
-    w.send(P.StepTokens([add.req_id], [8], [None], [0], None, [pack([(-1.0, [])], 0)]))
+    w.send(P.StepTokens(req_ids=[add.req_id], token_ids=[8], finish_reasons=[None], cached_tokens=[0], logprobs=None, prompt_logprobs=[pack([(-1.0, [])], 0)]))
     assert w.recv(P.AbortRequest).req_id == add.req_id
     [r] = fut.result(30)
     assert r.finish_reason == "error" and "malformed logprobs" in r.error
@@ -192,8 +192,8 @@ def test_sampled_logprobs_reach_the_client_with_their_rank(router):
     client, w = router
     fut = _ask(client, [1, 5], max_new_tokens=2, logprobs=1)
     add = w.recv(P.AddRequest)
-    w.send(P.StepTokens([add.req_id], [8], [None], [0], [[-0.25, [[8, -0.25]], 1]]))
-    w.send(P.StepTokens([add.req_id], [9], ["length"], [0], [[-3.5, [[8, -0.5]], None]]))
+    w.send(P.StepTokens(req_ids=[add.req_id], token_ids=[8], finish_reasons=[None], cached_tokens=[0], logprobs=[[-0.25, [[8, -0.25]], 1]]))
+    w.send(P.StepTokens(req_ids=[add.req_id], token_ids=[9], finish_reasons=["length"], cached_tokens=[0], logprobs=[[-3.5, [[8, -0.5]], None]]))
     [r] = fut.result(30)
     assert r.token_ids == [8, 9]
     assert r.logprobs == [Logprob(8, -0.25, [(8, -0.25)], 1), Logprob(9, -3.5, [(8, -0.5)], None)]
@@ -210,7 +210,7 @@ def test_malformed_sampled_logprobs_fail_the_request(router, bad):
     client, w = router
     fut = _ask(client, [1, 5], max_new_tokens=2, logprobs=1)
     add = w.recv(P.AddRequest)
-    w.send(P.StepTokens([add.req_id], [8], [None], [0], [bad]))
+    w.send(P.StepTokens(req_ids=[add.req_id], token_ids=[8], finish_reasons=[None], cached_tokens=[0], logprobs=[bad]))
     assert w.recv(P.AbortRequest).req_id == add.req_id
     [r] = fut.result(30)
     assert r.finish_reason == "error" and "malformed logprobs" in r.error
@@ -228,6 +228,6 @@ def test_prompt_logprobs_too_big_for_a_frame_are_refused(router):
     fut = _ask(client, prompt, max_new_tokens=1, prompt_logprobs=1)
     add = w.recv(P.AddRequest)
     plps = pack([(-2.0, [(5, -0.125)])] * (len(prompt) - 1), 1)
-    w.send(P.StepTokens([add.req_id], [5], ["length"], [0], None, [plps]))
+    w.send(P.StepTokens(req_ids=[add.req_id], token_ids=[5], finish_reasons=["length"], cached_tokens=[0], logprobs=None, prompt_logprobs=[plps]))
     [r] = fut.result(60)
     assert len(r.prompt_logprobs) == len(prompt) and r.prompt_logprobs[-1] == Logprob(5, -2.0, [(5, -0.125)], 2)

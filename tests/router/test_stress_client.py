@@ -237,10 +237,10 @@ def test_a_duplicate_req_id_is_refused_without_ending_the_live_stream(tiny_deplo
     s.setsockopt(zmq.LINGER, 0)
     s.connect(tiny_deployment.address)
     try:
-        s.send(P.encode(P.Generate("dup", prompt="a b c", params=dict(max_new_tokens=40, ignore_eos=True))))
+        s.send(P.encode(P.Generate(req_id="dup", prompt="a b c", params=dict(max_new_tokens=40, ignore_eos=True))))
         first = P.decode(s.recv()) if s.poll(30000) else None
         assert isinstance(first, (P.Delta, P.DeltaBatch)), first
-        s.send(P.encode(P.Generate("dup", prompt="a b c", params=dict(max_new_tokens=2))))
+        s.send(P.encode(P.Generate(req_id="dup", prompt="a b c", params=dict(max_new_tokens=2))))
         refused, ends = None, []
         deadline = time.monotonic() + 60
         while not ends and time.monotonic() < deadline:
