@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
             for part in (None, 128, 256, 512, 1024):
                 rows.append((f"  {name} partition {part or 'auto'}", timed(lambda: K.paged_attention_decode(
                     q, kc, vc, tables, lens, hi, 0.088, partition=part, kernel=kern, warps=warps)), ref_us, floor))
-            # the grid's launch order until stop 29: one KV head of many sequences at once
+            # the other grid order: the blocks running at once are one KV head of many sequences
             rows.append((f"  {name} auto, seq-major grid", timed(lambda: K.paged_attention_decode(
                 q, kc, vc, tables, lens, hi, 0.088, kernel=kern, warps=warps, grid="sequences")), ref_us, floor))
     print(f"{'op (' + a.dtype + ')':<36}{'cuda µs':>10}{'torch µs':>10}{'floor µs':>10}{'% of floor':>12}")

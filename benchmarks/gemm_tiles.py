@@ -1,5 +1,5 @@
 """A layer's weight GEMMs against the step's token count: is their cost a staircase along tokens, and which
-`step_token_multiple` would the scheduler's cut pay back? (docs/benchmarks.md, issue 6)
+`step_token_multiple` would the scheduler's cut pay back? (docs/benchmarks.md)
 
     python -m benchmarks.gemm_tiles [--tokens 256:1600:16] [--multiples 16,32,64,128,256]
         [--blas default,cublaslt] [--json r.json]

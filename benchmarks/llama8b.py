@@ -1,5 +1,5 @@
 """The engine on a Llama-3-8B-shape model with random bf16 weights, on one GPU, beside transformers `generate`
-on the very same weights, in one run (issue 6's figures; docs/benchmarks.md).
+on the very same weights, in one run (the single-GPU figures of docs/benchmarks.md).
 
     python -m benchmarks.llama8b [--only parity,bs1,offline,mixed,profile] [--json results.json]
         [--mixed-budgets 1024,1536,2048] [--step-token-multiples 0,64,128] [--mma-warps 2,4]
@@ -28,10 +28,11 @@ import time
 import torch
 
 import mii_async
-from mii_async.kernels import decode_attention
+from mii_async.kernels.config import GRID_ORDERS
 
 from . import ceilings
 from .engine_drain import drain
+from .kernel_variants import recapture, variant_config
 from .mixed_load import mixed, mixed_sweep
 from .step_profile import graph_steps, profile
 from .token_prompts import prompts
@@ -215,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                          "defaults, after one warm-up")
     ap.add_argument("--mma-warps", default=None,
                     help="decode attention's tensor-core kernel at this block width (2 or 4) for every batch "
-                         "(default: kernels/decode_attention.py's choice by batch); mixed: a comma list runs the "
+                         "(default: KernelConfig.mma_narrow_from's choice by batch); mixed: a comma list runs the "
                          "load once per width, in one process, each with graphs of its own")
     ap.add_argument("--decode-grids", default=None,
                     help="mixed: a comma list of decode attention's grid orders (kv_heads, sequences) runs the load "
@@ -237,12 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(w not in (2, 4) for w in warps):
         ap.error(f"--mma-warps: widths are 2 or 4, got {a.mma_warps}")
     grids = a.decode_grids.split(",") if a.decode_grids else []
-    if any(g not in decode_attention.GRID_ORDERS for g in grids):
-        ap.error(f"--decode-grids: orders are {', '.join(decode_attention.GRID_ORDERS)}, got {a.decode_grids}")
-    if len(warps) == 1:                       # before the engine captures its graphs, which keep the choice
-        decode_attention.MMA_NARROW_FROM = 0 if warps[0] == 2 else None
-    if len(grids) == 1:
-        decode_attention.DECODE_GRID = grids[0]
+    if any(g not in GRID_ORDERS for g in grids):
+        ap.error(f"--decode-grids: orders are {', '.join(GRID_ORDERS)}, got {a.decode_grids}")
     if a.mixed_num_seqs:
         sched["max_num_seqs"] = max(ints(a.mixed_num_seqs))
     global BANDWIDTH, FLOPS
@@ -250,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     BANDWIDTH, FLOPS = card["copy_tb_s"] * 1e12, card["matmul_tflop_s"] * 1e12
     print(f"this card: copy {card['copy_tb_s']:.2f} TB/s, bf16 matmul {card['matmul_tflop_s']:.0f} TFLOP/s", flush=True)
     hf, engine = build(kernels=a.kernels, gpu_memory_utilization=a.gpu_memory_utilization, **sched)
+    # One width or grid order asked: the engine's for every part, its decode graphs captured again with it.
+    recapture(engine, variant_config(engine.model.ops.config, warps[0] if len(warps) == 1 else None,
+                                     grids[0] if len(grids) == 1 else None))
     results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                      **card, "gpu_memory_utilization": a.gpu_memory_utilization,
                      "weights_gb": weight_bytes(hf) / 1e9, "kernels": engine.kernels,

@@ -1,4 +1,4 @@
-"""The mixed load of issue 6 (1,000 requests, inputs in [64, 1024], outputs in [64, 512], all at once) on an
+"""The mixed load (1,000 requests, inputs in [64, 1024], outputs in [64, 512], all at once) on an
 in-process engine, with its step log; and sweeps of it over scheduler settings and decode-attention widths in one
 process, the variants interleaved (python -m benchmarks.llama8b --only mixed …)."""
 from __future__ import annotations
@@ -10,10 +10,8 @@ import time
 
 import torch
 
-from mii_async.kernels import decode_attention
-from mii_async.workers.execute.cuda_graphs import DecodeGraphs
-
 from .engine_drain import drain
+from .kernel_variants import Variant, capture_variant, use_variant, variant_config
 from .step_log import StepLog
 from .token_prompts import prompts
 
@@ -24,24 +22,20 @@ def mixed_sweep(engine, budgets: list[int | None], multiples: list[int], repeat:
     """The mixed load once per (repeat, decode-attention width, decode grid order, piecewise graphs on / off,
     max_num_seqs, mixed budget, step token multiple), the variants interleaved so that the device's drift
     (power cap, clocks) falls on all of them alike; the scheduler's `max_num_seqs`, `max_mixed_batch_tokens`
-    and `step_token_multiple` (0: not cut) are set between runs. None keeps the engine's. With more than one
-    width or grid order, each pair has decode graphs captured of its own."""
+    and `step_token_multiple` (0: not cut) are set between runs. None keeps the engine's. Each (width, grid
+    order) is a KernelConfig of its own, with decode graphs captured of its own (kernel_variants.py)."""
     sched, runner = engine.scheduler, engine.runner
     start, runs = sched.config, {}
     start_pieces = runner.piecewise
+    base = engine.model.ops.config
     decode = list(itertools.product(warps, grids))
-    graphs = ({wg: variant_graphs(engine, *wg) for wg in decode} if len(decode) > 1
-              else {decode[0]: runner.graphs})
-    start_graphs, start_narrow = runner.graphs, decode_attention.MMA_NARROW_FROM
-    start_grid = decode_attention.DECODE_GRID
+    variants = {wg: capture_variant(engine, variant_config(base, *wg)) for wg in decode}
+    own = Variant(engine.model.ops, runner.graphs)
     mixed(engine, n=64, early=early)             # warm-up: the first eager steps of each shape
     try:
         for r in range(repeat):
             for w, gr in decode:
-                runner.graphs = graphs[w, gr]
-                if w is not None:
-                    decode_attention.MMA_NARROW_FROM = 0 if w == 2 else None
-                decode_attention.DECODE_GRID = gr or start_grid
+                use_variant(engine, variants[w, gr])
                 for pw, q, b, m in itertools.product(pieces, num_seqs, budgets, multiples):
                     runner.piecewise = start_pieces if pw is None or pw else None
                     sched.config = dataclasses.replace(
@@ -55,29 +49,9 @@ def mixed_sweep(engine, budgets: list[int | None], multiples: list[int], repeat:
                           f"{res['itl_ms_p50']:.1f} / {res['itl_ms_p99']:.1f} ms, TTFT p50 "
                           f"{res['ttft_ms_p50']:.0f} ms", flush=True)
     finally:
-        sched.config, runner.graphs, decode_attention.MMA_NARROW_FROM = start, start_graphs, start_narrow
-        runner.piecewise, decode_attention.DECODE_GRID = start_pieces, start_grid
+        sched.config, runner.piecewise = start, start_pieces
+        use_variant(engine, own)
     return runs
-
-
-def variant_graphs(engine, warps: int | None, grid: str | None):
-    """Decode graphs captured with decode attention at `warps` (2 or 4) and in grid order `grid` for every
-    batch: a set beside the engine's (the bench's memory plan leaves room), since a graph keeps the kernel it
-    captured. None keeps the engine's choice."""
-    g = engine.runner.graphs
-    if g is None or (warps is None and grid in (None, decode_attention.DECODE_GRID)):
-        return g                                  # the engine's own settings: its own graphs
-    keep = decode_attention.MMA_NARROW_FROM, decode_attention.DECODE_GRID
-    if warps is not None:
-        decode_attention.MMA_NARROW_FROM = 0 if warps == 2 else None
-    decode_attention.DECODE_GRID = grid or keep[1]
-    try:
-        out = DecodeGraphs(g.model, g.kv_caches, g.block_size, g.device, g.buckets[-1], engine.max_model_len,
-                           scratch_block=g.scratch_slot // g.block_size)
-        out.capture()
-    finally:
-        decode_attention.MMA_NARROW_FROM, decode_attention.DECODE_GRID = keep
-    return out
 
 
 def mixed(engine, n: int = 1000, early: bool = True) -> dict:

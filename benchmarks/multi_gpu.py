@@ -1,4 +1,4 @@
-"""Tensor parallelism and replicas through the mesh (issue 8): TP=T against TP=1 on the same weights, and R
+"""Tensor parallelism and replicas through the mesh: TP=T against TP=1 on the same weights, and R
 replicas of TP=1 behind one router. Every figure comes from real deployments (`serve()`), one at a time.
 
     python -m benchmarks.multi_gpu [--shape 8b] [--tp 2] [--replicas 2] [--json results.json]

@@ -7,13 +7,18 @@ it). Imported under that name, this file puts the distribution in its place (`_y
 none is installed, the name stays this directory's, which has no `__version__`, so transformers' check finds
 no usable `kernels` (as it did before 5.25).
 
-`get_ops("reference")` returns the module of torch implementations, `get_ops("cuda")` the CuPy kernels
-(csrc/*.cu); every backend has the same signatures. `resolve_backend("auto", device)` is "cuda" on a CUDA
-device when CuPy imports, else "reference". Nothing here knows about the engine above it.
+`get_ops("reference")` returns the op set of torch implementations, `get_ops("cuda", config)` the CuPy
+kernels (csrc/*.cu) bound to a KernelConfig (config.py; op_set.py); every backend has the same signatures.
+`resolve_backend("auto", device)` is "cuda" on a CUDA device when CuPy imports, else "reference". Nothing here
+knows about the engine above it, and nothing is read from the environment at import.
 """
 from __future__ import annotations
 
-from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:       # imported in get_ops: under the top-level name this package may yield (above)
+    from .config import KernelConfig
+    from .op_set import OpSet
 
 
 def _yield_top_level_name() -> None:
@@ -60,13 +65,19 @@ def resolve_backend(backend: str, device_type: str) -> str:
     return backend
 
 
-def get_ops(backend: str = "reference") -> ModuleType:
+def get_ops(backend: str = "reference", config: KernelConfig | None = None) -> OpSet:
+    """The ops of `backend` with `config` bound (None: KernelConfig's defaults; the reference takes no
+    config: it has one way to compute each op). Imports torch."""
+    from .config import DEFAULT
+    from .op_set import OpSet
+
+    config = DEFAULT if config is None else config
     if backend == "reference":
         from . import reference
 
-        return reference
+        return OpSet(reference, config)
     if backend == "cuda":
         from . import cuda
 
-        return cuda
+        return OpSet(cuda, config)
     raise ValueError(f"unknown kernel backend {backend!r}; available: {', '.join(BACKENDS)}")

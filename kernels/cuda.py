@@ -9,6 +9,7 @@ each kernel's start overlaps the previous one's tail.
 Prompt chunks go through torch's variable-length flash attention, all chunks of a step in one call per layer
 (`prefill_attention`); the standalone rotary and KV write, and decode shapes the kernel does not handle
 (`decode_supported`), run the torch reference on the GPU.
+The ops in CONFIGURED take the KernelConfig (config.py) as `config=`; get_ops("cuda", config) binds it.
 """
 from __future__ import annotations
 
@@ -19,11 +20,14 @@ import torch
 import torch.nn.functional as F
 
 from . import reference
+from .config import DEFAULT, KernelConfig
 from .decode_attention import decode_supported, paged_attention_decode  # noqa: F401 (the op set)
 from .launch import launch as _launch, ptr as _ptr, sm_count as _sm_count
 from .metadata import AttentionMetadata
 
 RAGGED_PREFILL = True           # takes AttentionMetadata.prefill_groups (the runner builds them)
+CONFIGURED = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "linear", "add_rms_norm_linear",
+              "add_rms_norm_gate_up", "rotary_write_kv", "paged_attention", "paged_attention_decode")
 
 rotary_embedding = reference.rotary_embedding
 write_kv = reference.write_kv
@@ -46,7 +50,7 @@ def _vec(n: int, strides: tuple[int, ...], *tensors: torch.Tensor) -> bool:
     return n % v == 0 and all(st % v == 0 for st in strides) and all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, config: KernelConfig = DEFAULT) -> torch.Tensor:
     t, stride = _rows(x)
     h = x.shape[1]
     out = torch.empty((t, h), dtype=x.dtype, device=x.device)
@@ -55,12 +59,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if t:
         _launch("norms", "rms_norm", x.dtype, (t,), (_threads(h // (16 // x.element_size() if vec else 4)),),
                 (_ptr(x), _ptr(weight), _ptr(out), np.int32(h), np.int64(stride), np.float32(eps), np.int32(vec)),
-                shared_mem=h * 4)
+                shared_mem=h * 4, pdl=config.pdl)
     return out
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                       config: KernelConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
     t, xs = _rows(x)
     _, rs = _rows(residual)
     h = x.shape[1]
@@ -71,11 +75,11 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     if t:
         _launch("norms", "fused_add_rms_norm", x.dtype, (t,), (_threads(h // (16 // x.element_size() if vec else 4)),),
                 (_ptr(x), _ptr(residual), _ptr(weight), _ptr(out), _ptr(res), np.int32(h),
-                 np.int64(xs), np.int64(rs), np.float32(eps), np.int32(vec)), shared_mem=h * 4)
+                 np.int64(xs), np.int64(rs), np.float32(eps), np.int32(vec)), shared_mem=h * 4, pdl=config.pdl)
     return out, res
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, *, config: KernelConfig = DEFAULT) -> torch.Tensor:
     t, stride = _rows(x)
     f = x.shape[1] // 2
     out = torch.empty((t, f), dtype=x.dtype, device=x.device)
@@ -84,7 +88,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         threads = 256
         per_thread = 16 // x.element_size() if vec else 1
         _launch("activation", "silu_and_mul", x.dtype, (min(-(-f // (threads * per_thread)), 64), t), (threads,),
-                (_ptr(x), _ptr(out), np.int32(f), np.int64(stride), np.int32(vec)))
+                (_ptr(x), _ptr(out), np.int32(f), np.int64(stride), np.int32(vec)), pdl=config.pdl)
     return out
 
 
@@ -110,7 +114,7 @@ def _gemv_ok(x: torch.Tensor, weight: torch.Tensor, k: int, *others: torch.Tenso
             and all(t is None or t.dtype == x.dtype for t in others) and _aligned(*others))
 
 
-def _gemv(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def _gemv(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: KernelConfig,
           out_dtype: torch.dtype | None = None, residual: torch.Tensor | None = None,
           norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     m = x.shape[0]
@@ -129,13 +133,14 @@ def _gemv(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
              null if norm_weight is None else _ptr(norm_weight),
              null if res_out is None else _ptr(res_out), _ptr(weight), null if bias is None else _ptr(bias), _ptr(y),
              np.int64(outs), np.int32(f32), np.int32(n), np.int32(k), np.int32(per_warp), np.float32(eps)),
-            shared_mem=m * k * 2)
+            shared_mem=m * k * 2, pdl=config.pdl)
     return y, res_out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           config: KernelConfig = DEFAULT) -> torch.Tensor:
     if _gemv_ok(x, weight, x.shape[1], bias):
-        return _gemv("plain", x, weight, bias)[0]
+        return _gemv("plain", x, weight, bias, config)[0]
     return F.linear(x, weight, bias)
 
 
@@ -147,33 +152,34 @@ def _norm_gemv_ok(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
 
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                         weight: torch.Tensor, bias: torch.Tensor | None = None,
-                        out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        out_dtype: torch.dtype | None = None, *,
+                        config: KernelConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
     """As the reference. A few rows take one gemv.cu kernel: the norm is its prologue."""
     if out_dtype in (None, x.dtype, torch.float32) and _norm_gemv_ok(x, residual, norm_weight, weight, bias):
-        y, res_out = _gemv("norm", x, weight, bias, out_dtype, residual, norm_weight, eps)
+        y, res_out = _gemv("norm", x, weight, bias, config, out_dtype, residual, norm_weight, eps)
         return y, x if res_out is None else res_out
     if residual is None:
-        normed, residual = rms_norm(x, norm_weight, eps), x
+        normed, residual = rms_norm(x, norm_weight, eps, config=config), x
     else:
-        normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
+        normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps, config=config)
     y = F.linear(normed, weight, bias)
     return (y if out_dtype is None else y.to(out_dtype)), residual
 
 
 def add_rms_norm_gate_up(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                         gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                         gate_up: torch.Tensor, *, config: KernelConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
     """As the reference. A few rows take one gemv.cu kernel: the norm is its prologue, SiLU-and-mul its
     epilogue (a warp computes a gate row and its up row)."""
     if gate_up.shape[0] % 2 == 0 and _norm_gemv_ok(x, residual, norm_weight, gate_up):
-        y, res_out = _gemv("norm_silu", x, gate_up, None, None, residual, norm_weight, eps)
+        y, res_out = _gemv("norm_silu", x, gate_up, None, config, None, residual, norm_weight, eps)
         return y, x if res_out is None else res_out
-    y, residual = add_rms_norm_linear(x, residual, norm_weight, eps, gate_up)
-    return silu_and_mul(y), residual
+    y, residual = add_rms_norm_linear(x, residual, norm_weight, eps, gate_up, config=config)
+    return silu_and_mul(y, config=config), residual
 
 
 def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> torch.Tensor:
+                    slot_mapping: torch.Tensor, *, config: KernelConfig = DEFAULT) -> torch.Tensor:
     t, hq, d = q.shape
     hkv = k.shape[1]
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -184,14 +190,15 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         _launch("rotary_kv", "rotary_write_kv", q.dtype, (t,), (_threads(max(hq, hkv) * d // 2),),
                 (_ptr(positions.contiguous()), _ptr(q), _ptr(k), _ptr(v), _ptr(cos_sin), _ptr(q_out), _ptr(k_cache),
                  _ptr(v_cache), _ptr(slot_mapping.contiguous()), np.int32(hq), np.int32(hkv), np.int32(d),
-                 np.int64(q.stride(0)), np.int64(k.stride(0)), np.int64(v.stride(0))))
+                 np.int64(q.stride(0)), np.int64(k.stride(0)), np.int64(v.stride(0))), pdl=config.pdl)
     return q_out
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """As reference.paged_attention: decodes through paged_attention_decode (DECODE_KERNEL), prompt chunks
-    through torch's variable-length flash attention (`prefill_attention`)."""
+                    meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None, *,
+                    config: KernelConfig = DEFAULT) -> torch.Tensor:
+    """As reference.paged_attention: decodes through paged_attention_decode (as `config` chooses), prompt
+    chunks through torch's variable-length flash attention (`prefill_attention`)."""
     nd = meta.num_decodes
     q = q.contiguous()
     if nd and not decode_supported(q.shape[1], k_cache.shape[2], q.shape[2]):
@@ -199,7 +206,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q) if out is None else out
     if nd:
         paged_attention_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd],
-                               max(meta.context_lens_host[:nd]), scale, out=out[:nd])
+                               max(meta.context_lens_host[:nd]), scale, out=out[:nd], config=config)
     if nd < len(meta.query_lens):
         prefill_attention(q, k_cache, v_cache, meta, scale, out)
     return out

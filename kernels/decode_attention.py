@@ -4,38 +4,23 @@ KV head) combines the others in the same launch, csrc/decode_combine.cuh):
   - mma (csrc/paged_attention_mma.cu): tensor cores, head dim 128, up to 16 query heads per KV head;
   - stream (csrc/paged_attention_stream.cu): one scalar pass, head dim 128, up to 4;
   - split (csrc/paged_attention_decode.cu): two phases, every shape decode_supported() admits.
-MII_ASYNC_DECODE (or `kernel=`) picks one; it takes the next where it does not apply."""
+KernelConfig.decode_kernel (or `kernel=`) picks one; it takes the next where it does not apply."""
 from __future__ import annotations
 
 import functools
-import os
 
 import numpy as np
 import torch
 
+from .config import DECODE_KERNELS, DEFAULT, GRID_ORDERS, KernelConfig
 from .launch import launch as _launch, ptr as _ptr, sm_count as _sm_count
 
 DECODE_THREADS = 128            # NUM_THREADS in paged_attention_decode.cu
 MAX_GQA = 16                    # MAX_G there: query heads per KV head
 PARTITIONS = (512, 256, 128, 64, 32)   # decode split lengths, in tokens, longest first
-DECODE_KERNELS = ("mma", "stream", "split")
-GRID_ORDERS = ("kv_heads", "sequences")
-DECODE_KERNEL = os.environ.get("MII_ASYNC_DECODE", "mma")
-if DECODE_KERNEL not in DECODE_KERNELS:
-    raise ValueError(f"MII_ASYNC_DECODE must be one of {', '.join(DECODE_KERNELS)}, got {DECODE_KERNEL!r}")
-DECODE_GRID = os.environ.get("MII_ASYNC_DECODE_GRID", "kv_heads")     # the default of `grid=`
-if DECODE_GRID not in GRID_ORDERS:
-    raise ValueError(f"MII_ASYNC_DECODE_GRID must be one of {', '.join(GRID_ORDERS)}, got {DECODE_GRID!r}")
 # The one-pass kernels' shared-memory rings, per warp: STAGES (2 and 4 there) × rows a stage holds (16 and 4)
 # × (K, V) × head dim 128 × 2 bytes.
 RING_BYTES_PER_WARP = {"mma": 2 * 16 * 2 * 128 * 2, "stream": 4 * 4 * 2 * 128 * 2}
-# The mma kernel's narrow form (2 warps a block, 6 blocks an SM, against 4 and 3) from this many (sequence, KV
-# head) pairs on; None: never. A probe of the same source on the H200 (bf16, 8 KV heads, graph replays, µs,
-# 4 warps → 2): 256 × 704 tokens 245 → 222, 256 × 64-1536 274 → 244, 192 × 704 188 → 168, 256 × 150 59 → 54;
-# but 64 × 1024 89 → 97, 16 × 1024 30 → 33. In the engine's mixed load (one process, both widths, 2026-12-05)
-# they tied: 9,120 tok/s at 2 warps against 9,121 at 4, with p99 ITL 55.8 against 45.5 ms. So it stays off
-# (docs/benchmarks.md, stop 27); the GPU tests pass at both widths.
-MMA_NARROW_FROM: int | None = None
 
 
 _counters: dict[int, torch.Tensor] = {}
@@ -66,22 +51,23 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int,
                            scale: float, out: torch.Tensor | None = None,
                            partition: int | None = None, kernel: str | None = None,
-                           warps: int | None = None, grid: str | None = None) -> torch.Tensor:
+                           warps: int | None = None, grid: str | None = None, *,
+                           config: KernelConfig = DEFAULT) -> torch.Tensor:
     """Decode attention: q [S, Hq, D] (one token per sequence) over each sequence's cached keys →
-    [S, Hq, D]. block_tables [S, max_blocks] and context_lens [S] int64 on the GPU. `kernel`: "mma", "stream"
-    or "split" (default DECODE_KERNEL); each takes the next where it does not apply. `warps`: the mma
-    kernel's block width, 2 or 4 (default: 2 from MMA_NARROW_FROM (sequence, KV head) pairs on, if set).
-    `grid`: the blocks' launch order, "kv_heads" (grid (Hkv, S, splits): a sequence's KV heads side by side;
-    decode_combine.cuh) or "sequences" ((S, Hkv, splits), the order until stop 29, compiled apart; for
-    probes); default DECODE_GRID."""
+    [S, Hq, D]. block_tables [S, max_blocks] and context_lens [S] int64 on the GPU. `kernel`, `warps` and
+    `grid` override `config` for this call: `kernel` "mma", "stream" or "split" (config.decode_kernel), each
+    taking the next where it does not apply; `warps` the mma kernel's block width, 2 or 4
+    (config.mma_warps); `grid` the blocks' launch order, "kv_heads" (grid (Hkv, S, splits): a sequence's KV
+    heads side by side; decode_combine.cuh) or "sequences" ((S, Hkv, splits), compiled apart, for probes)
+    (config.decode_grid)."""
     if kernel is None:
-        kernel = DECODE_KERNEL
+        kernel = config.decode_kernel
     if kernel not in DECODE_KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(DECODE_KERNELS)}, got {kernel!r}")
     if warps not in (None, 2, 4):
         raise ValueError(f"warps must be 2 or 4, got {warps!r}")
     if grid is None:
-        grid = DECODE_GRID
+        grid = config.decode_grid
     if grid not in GRID_ORDERS:
         raise ValueError(f"grid must be one of {', '.join(GRID_ORDERS)}, got {grid!r}")
     s, hq, d = q.shape
@@ -116,8 +102,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         name = f"paged_attention_{one_pass}"
         nwarps = DECODE_THREADS // 32
         if one_pass == "mma":
-            narrow = MMA_NARROW_FROM is not None and s * hkv >= MMA_NARROW_FROM
-            nwarps = warps if warps is not None else (2 if narrow else 4)
+            nwarps = warps if warps is not None else config.mma_warps(s * hkv)
             name += "_w2" if nwarps == 2 else ""
         _launch(f"paged_attention_{one_pass}", name, q.dtype, dims, (32 * nwarps,),
                 (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(bt), _ptr(cl), _ptr(out),
@@ -125,14 +110,14 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                  _ptr(_split_counters(s * hkv, q.device)), np.int32(hq), np.int32(hkv),
                  np.int32(bs), np.int32(bt.shape[1]), np.int32(partition), np.float32(scale)),
                 shared_mem=nwarps * RING_BYTES_PER_WARP[one_pass] + 8 * (partition // bs + 2),  # rings, block ids
-                defines=defines)
+                defines=defines, pdl=config.pdl)
         return out
     gbound = next(b for b in (4, 8, MAX_GQA) if g <= b)       # the kernel sized for this GQA ratio
     _launch("paged_attention_decode", f"paged_attention_decode_g{gbound}", q.dtype, dims, (DECODE_THREADS,),
             (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(bt), _ptr(cl), _ptr(out), _ptr(part_out), _ptr(part_max),
              _ptr(part_sum), _ptr(_split_counters(s * hkv, q.device)), np.int32(hq), np.int32(hkv), np.int32(d),
              np.int32(bs), np.int32(bt.shape[1]), np.int32(partition), np.float32(scale)), shared_mem=smem,
-            defines=defines)
+            defines=defines, pdl=config.pdl)
     return out
 
 

@@ -4,17 +4,15 @@ and while a graph is captured on Hopper through programmatic dependent launch (p
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from . import pdl
+from .pdl import launch as _launch_programmatic
 
 CSRC = Path(__file__).parent / "csrc"
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
-PDL = os.environ.get("MII_ASYNC_PDL", "1") != "0"   # programmatic dependent launch in captured graphs (Hopper on)
 
 
 @functools.cache
@@ -68,15 +66,16 @@ def ptr(t: torch.Tensor) -> np.uint64:
 
 
 def launch(module: str, name: str, dtype: torch.dtype, grid: tuple, block: tuple, args: tuple,
-            shared_mem: int = 0, defines: tuple[str, ...] = ()) -> None:
+           shared_mem: int = 0, defines: tuple[str, ...] = (), pdl: bool = True) -> None:
     """Launches kernel `name` of csrc/`module`.cu for `dtype`; `defines`: macros the module is compiled with
-    (each set of them a module of its own)."""
+    (each set of them a module of its own); `pdl`: through programmatic dependent launch while a graph is
+    captured on Hopper (KernelConfig.pdl)."""
     k = _kernel(module, name, dtype, defines)
     if shared_mem > 48 * 1024:
         k.max_dynamic_shared_size_bytes = shared_mem
     stream = torch.cuda.current_stream()
-    if PDL and torch.cuda.is_current_stream_capturing() and _pdl_capable(stream.device_index):
-        pdl.launch(k.kernel.ptr, grid, block, args, shared_mem, stream.cuda_stream)
+    if pdl and torch.cuda.is_current_stream_capturing() and _pdl_capable(stream.device_index):
+        _launch_programmatic(k.kernel.ptr, grid, block, args, shared_mem, stream.cuda_stream)
         return
     with _stream(stream.cuda_stream, stream.device_index):
         k(grid, block, args, shared_mem=shared_mem)

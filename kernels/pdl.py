@@ -5,8 +5,8 @@ small kernels overlaps each one's start with the previous one's tail.
 
 CuPy launches through cuLaunchKernel, which takes no launch attributes, so this goes to the driver's
 cuLaunchKernelEx through ctypes. kernels/cuda.py uses it while a CUDA graph is being captured (the graph then
-holds programmatic edges; the per-launch ctypes cost is paid once, at capture). Set MII_ASYNC_PDL=0 to launch
-every kernel plainly.
+holds programmatic edges; the per-launch ctypes cost is paid once, at capture). KernelConfig(pdl=False)
+launches every kernel plainly.
 """
 from __future__ import annotations
 

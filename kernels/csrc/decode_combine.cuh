@@ -9,10 +9,9 @@
 // A block's sequence and KV head. The KV heads are the grid's x, so a sequence's KV heads are neighbours in
 // launch order and run at once; since the cache is [block, token, KV head, dim], they read each token's whole
 // row together (8 KV heads × 256 bytes for Llama-3-8B). Compiled with MII_SEQ_MAJOR_GRID the grid is
-// (num_seqs, num_kv_heads, num_splits), the order until stop 29 (kernels/decode_attention.py,
-// `grid="sequences"`): the blocks running at once are then one KV head of many sequences, reading 256-byte
-// pieces of rows far apart. On the H100 the KV-head order took 0–2% less time at 64–320 sequences (the same
-// at 1–16), with the same bits (docs/benchmarks.md, stop 29).
+// (num_seqs, num_kv_heads, num_splits) (KernelConfig.decode_grid = "sequences", for probes): the blocks running
+// at once are then one KV head of many sequences, reading 256-byte pieces of rows far apart: 0–2% slower at
+// 64–320 sequences on the H100 (docs/benchmarks.md). Both orders give the same bits.
 #ifdef MII_SEQ_MAJOR_GRID
 __device__ __forceinline__ int grid_seq() { return blockIdx.x; }
 __device__ __forceinline__ int grid_kvh() { return blockIdx.y; }

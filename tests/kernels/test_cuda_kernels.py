@@ -14,7 +14,9 @@ cupy = pytest.importorskip("cupy")
 
 from mii_async.kernels import cuda as K  # noqa: E402
 from mii_async.kernels import decode_attention as DA  # noqa: E402
+from mii_async.kernels import get_ops  # noqa: E402
 from mii_async.kernels import reference as R  # noqa: E402
+from mii_async.kernels.config import KernelConfig  # noqa: E402
 from mii_async.kernels.metadata import AttentionMetadata  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}
@@ -137,18 +139,17 @@ DECODE_KERNELS = ["mma", "stream", "split"]   # mma: head dim 128, G <= 16; stre
 @pytest.mark.parametrize("kernel", DECODE_KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", range(len(DECODE_CASES)))
-def test_paged_attention_decode(dtype, case, kernel, monkeypatch):
+def test_paged_attention_decode(dtype, case, kernel):
     """The decode kernels (tensor-core, one-pass streamed, split two-phase; flash-decoding splits) vs the reference:
     contexts 1 … 32k, partition edges, GQA ratios 1 … 16, head dims 64 … 256, block sizes 16 and 32, ragged
     batches."""
-    monkeypatch.setattr(DA, "DECODE_KERNEL", kernel)
     clens, hq, hkv, d, bs = DECODE_CASES[case]
     kc, vc, tables = _paged(clens, hkv, d, bs, dtype, seed=case)
     q = torch.randn(len(clens), hq, d, device="cuda").to(dtype)
     meta = _meta([1] * len(clens), clens, tables)
     ref = R.paged_attention(q.float(), kc.float(), vc.float(), meta, d ** -0.5)
     poison()
-    out = K.paged_attention(q, kc, vc, meta, d ** -0.5)
+    out = K.paged_attention(q, kc, vc, meta, d ** -0.5, config=KernelConfig(decode_kernel=kernel))
     assert rel(out, ref) < TOL[dtype], (clens[:4], hq, hkv, d)
 
 
@@ -189,6 +190,24 @@ def test_decode_grid_orders_agree(kernel):
                                                  warps=int(warps) if warps else None, grid=grid))
             assert rel(outs[-1], ref) < TOL[torch.bfloat16], (grid, partition)
         assert torch.equal(outs[0], outs[1]), partition
+
+
+@pytest.mark.parametrize("config", [KernelConfig(decode_kernel="split"), KernelConfig(mma_narrow_from=0),
+                                    KernelConfig(decode_kernel="stream", decode_grid="sequences")], ids=repr)
+def test_the_op_set_runs_the_decode_kernel_its_config_names(config):
+    """get_ops("cuda", config).paged_attention gives, bit for bit, what the decode call gives when asked for the
+    same kernel, width and grid order by argument; the default op set's answer differs from the split
+    kernel's, so the comparison tells kernels apart."""
+    clens = [1, 31, 300, 513, 1024, 2500, 77]
+    kc, vc, tables = _paged(clens, 8, 128, 16, torch.bfloat16, seed=5)
+    q = torch.randn(len(clens), 32, 128, device="cuda").to(torch.bfloat16)
+    meta = _meta([1] * len(clens), clens, tables)
+    asked = K.paged_attention_decode(q, kc, vc, meta.block_tables, meta.context_lens, max(clens), 128 ** -0.5,
+                                     kernel=config.decode_kernel, warps=config.mma_warps(len(clens) * 8),
+                                     grid=config.decode_grid)
+    assert torch.equal(get_ops("cuda", config).paged_attention(q, kc, vc, meta, 128 ** -0.5), asked)
+    if config.decode_kernel == "split":
+        assert not torch.equal(get_ops("cuda").paged_attention(q, kc, vc, meta, 128 ** -0.5), asked)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -1,14 +1,12 @@
-"""The decode kernel is chosen by name (MII_ASYNC_DECODE or `kernel=`); a wrong name is an error that says
-which setting it was, before any GPU work (so this runs on the CPU)."""
-import os
-import subprocess
-import sys
+"""A decode call's own choice of kernel, block width or grid order (`kernel=`, `warps=`, `grid=`, which override
+its KernelConfig) is checked by name before any GPU work, so these run on the CPU."""
+from __future__ import annotations
 
 import pytest
 import torch
 
 from mii_async.kernels import cuda as K
-from mii_async.kernels import decode_attention as DA
+from mii_async.kernels.config import DECODE_KERNELS, KernelConfig
 
 
 def _decode(**choice):
@@ -19,39 +17,21 @@ def _decode(**choice):
                                     torch.ones(1, dtype=torch.int64), 1, 1.0, **choice)
 
 
-def _import_with(name: str, value: str) -> subprocess.CompletedProcess:
-    """Imports the CUDA kernels' module in a fresh interpreter with environment variable `name` set."""
-    return subprocess.run([sys.executable, "-c", "import mii_async.kernels.cuda"], capture_output=True, text=True,
-                          env=dict(os.environ, **{name: value}))
-
-
 def test_an_unknown_kernel_argument_is_refused_by_name():
-    with pytest.raises(ValueError, match="kernel must be one of mma, stream, split"):
+    with pytest.raises(ValueError, match="kernel must be one of mma, stream, split, got 'fast'"):
         _decode(kernel="fast")
 
 
-def test_a_bad_block_width_is_refused_by_name_whatever_the_kernel():
-    for kernel in DA.DECODE_KERNELS:
+def test_a_bad_block_width_is_refused_by_name_whatever_the_kernel_and_config():
+    for kernel in DECODE_KERNELS:
         with pytest.raises(ValueError, match="warps must be 2 or 4, got 3"):
             _decode(kernel=kernel, warps=3)
+        with pytest.raises(ValueError, match="warps must be 2 or 4, got 3"):
+            _decode(warps=3, config=KernelConfig(decode_kernel=kernel, mma_narrow_from=0))
 
 
-def test_an_unknown_environment_choice_is_refused_by_name():
-    r = _import_with("MII_ASYNC_DECODE", "fast")
-    assert r.returncode != 0 and "MII_ASYNC_DECODE must be one of mma, stream, split, got 'fast'" in r.stderr
+def test_an_unknown_grid_order_is_refused_by_name_whatever_the_config():
+    for grid in ("kv_heads", "sequences"):
+        with pytest.raises(ValueError, match="grid must be one of kv_heads, sequences, got 'heads'"):
+            _decode(grid="heads", config=KernelConfig(decode_grid=grid))
 
-
-def test_the_default_is_the_tensor_core_kernel():
-    assert DA.DECODE_KERNEL in DA.DECODE_KERNELS
-    assert os.environ.get("MII_ASYNC_DECODE") or DA.DECODE_KERNEL == "mma"
-
-
-def test_an_unknown_grid_order_is_refused_by_name():
-    with pytest.raises(ValueError, match="grid must be one of kv_heads, sequences, got 'heads'"):
-        _decode(grid="heads")
-    r = _import_with("MII_ASYNC_DECODE_GRID", "heads")
-    assert r.returncode != 0 and "MII_ASYNC_DECODE_GRID must be one of kv_heads, sequences, got 'heads'" in r.stderr
-
-
-def test_the_default_grid_puts_a_sequences_kv_heads_side_by_side():
-    assert os.environ.get("MII_ASYNC_DECODE_GRID") or DA.DECODE_GRID == "kv_heads"

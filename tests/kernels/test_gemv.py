@@ -12,8 +12,9 @@ if not torch.cuda.is_available():
 pytest.importorskip("cupy")
 
 from mii_async.kernels import cuda as K  # noqa: E402
-from mii_async.kernels import launch as L  # noqa: E402
+from mii_async.kernels import get_ops  # noqa: E402
 from mii_async.kernels import reference as R  # noqa: E402
+from mii_async.kernels.config import KernelConfig  # noqa: E402
 
 from .test_cuda_kernels import TOL, poison, rel  # noqa: E402
 
@@ -112,10 +113,10 @@ def test_add_rms_norm_gate_up(dtype, m, n, k):
 
 
 @pytest.mark.parametrize("pdl", [True, False])
-def test_captured_by_a_cuda_graph_and_replayed_on_new_inputs(pdl, monkeypatch):
+def test_captured_by_a_cuda_graph_and_replayed_on_new_inputs(pdl):
     """A chain of dependent gemv kernels in a graph, captured with programmatic dependent launch (each one
-    starts before the previous has finished, and waits for its results) and without."""
-    monkeypatch.setattr(L, "PDL", pdl)      # launch() reads launch.PDL at each call
+    starts before the previous has finished, and waits for its results) and without (KernelConfig.pdl)."""
+    ops = get_ops("cuda", KernelConfig(pdl=pdl))
     dt = torch.bfloat16
     x, w = data(1, 6144, 4096, dt)
     x = x.contiguous()
@@ -127,10 +128,10 @@ def test_captured_by_a_cuda_graph_and_replayed_on_new_inputs(pdl, monkeypatch):
     assert K._gemv_ok(x, w, 4096) and K._gemv_ok(x, o, 4096) and K._norm_gemv_ok(x, res, norm_w, gate_up)
 
     def step():                                  # each kernel reads what the one before it wrote
-        y, r = K.add_rms_norm_linear(x, res, norm_w, 1e-5, w)
-        h = K.linear(y[:, :4096], o)
-        act, r2 = K.add_rms_norm_gate_up(h, r, norm_w, 1e-5, gate_up)
-        return y, r, h, act, r2, K.linear(act, down)
+        y, r = ops.add_rms_norm_linear(x, res, norm_w, 1e-5, w)
+        h = ops.linear(y[:, :4096], o)
+        act, r2 = ops.add_rms_norm_gate_up(h, r, norm_w, 1e-5, gate_up)
+        return y, r, h, act, r2, ops.linear(act, down)
 
     step()
     torch.cuda.synchronize()

@@ -1,9 +1,9 @@
 """Staging: persistent pinned host buffers through which a step's inputs go to the GPU.
 
-Until stop 29 each step pinned a fresh buffer (`tensor.pin_memory()`) through torch's caching host allocator,
-which calls `cudaHostAlloc` whenever it holds no free block of the size asked for, as a load's inputs grow or
-while the block of the step in flight is still in use; a page-locked allocation is one of the calls CUDA
-lists as synchronizing. Here a few pinned buffers are allocated once and used in turn, each reused only after
+A fresh pinned buffer per step (`tensor.pin_memory()`) would go through torch's caching host allocator, which
+calls `cudaHostAlloc` whenever it holds no free block of the size asked for, as a load's inputs grow or while
+the block of the step in flight is still in use; a page-locked allocation is one of the calls CUDA lists as
+synchronizing. So a few pinned buffers are allocated once and used in turn, each reused only after
 the event recorded behind its last copy has passed (at once: by then the step in flight and the one before it
 have read their inputs). A slot that is too small grows by doubling: the mixed load's steps fit the first
 size; long contexts' block tables (256 sequences × 2,048 blocks is 4 MiB) grow it once.

@@ -1,0 +1,66 @@
+"""KernelConfig: the CUDA kernels' tuning choices, frozen and passed whole.
+
+The CUDA op set is bound to one config when it is built (`get_ops("cuda", config)`), so model code calls
+`ops.paged_attention(...)` and never sees it; a probe that compares choices builds one op set per config.
+Nothing here is read at import: `from_env` reads the documented environment variables when an entry point
+asks it to. No torch: configs are built and checked on any machine.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+DECODE_KERNELS = ("mma", "stream", "split")
+GRID_ORDERS = ("kv_heads", "sequences")
+ENV_DECODE_KERNEL = "MII_ASYNC_DECODE"
+ENV_DECODE_GRID = "MII_ASYNC_DECODE_GRID"
+ENV_PDL = "MII_ASYNC_PDL"
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    # Decode attention's kernel (kernels/decode_attention.py): "mma" (tensor cores), "stream" (one scalar
+    # pass) or "split" (two phases, every shape); each takes the next where it does not apply.
+    decode_kernel: str = "mma"
+    # Decode attention's launch order: "kv_heads" (grid (Hkv, S, splits): a sequence's KV heads run side by
+    # side and read each cached token's whole row together) or "sequences" ((S, Hkv, splits), compiled apart,
+    # for probes; the GPU tests check that both give the same bits).
+    decode_grid: str = "kv_heads"
+    # The mma kernel runs 2 warps a block (6 blocks an SM) instead of 4 (3) from this many (sequence, KV head)
+    # pairs on; None: never, 0: always. None because the engine's mixed load measured no gain from the narrow
+    # form (docs/benchmarks.md); the GPU tests pass at both widths.
+    mma_narrow_from: int | None = None
+    # Programmatic dependent launch while a CUDA graph is captured on Hopper (kernels/pdl.py): each kernel of
+    # a step may start while the one before it finishes.
+    pdl: bool = True
+
+    def __post_init__(self) -> None:
+        if self.decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernel must be one of {', '.join(DECODE_KERNELS)}, got {self.decode_kernel!r}")
+        if self.decode_grid not in GRID_ORDERS:
+            raise ValueError(f"decode_grid must be one of {', '.join(GRID_ORDERS)}, got {self.decode_grid!r}")
+        n = self.mma_narrow_from
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise ValueError(f"mma_narrow_from must be None or an int >= 0, got {n!r}")
+        if not isinstance(self.pdl, bool):
+            raise ValueError(f"pdl must be true or false, got {self.pdl!r}")
+
+    def mma_warps(self, pairs: int) -> int:
+        """The mma kernel's block width, in warps, for a launch over `pairs` (sequence, KV head) pairs."""
+        return 2 if self.mma_narrow_from is not None and pairs >= self.mma_narrow_from else 4
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> KernelConfig:
+        """The config the environment names: $MII_ASYNC_DECODE (decode_kernel), $MII_ASYNC_DECODE_GRID
+        (decode_grid), $MII_ASYNC_PDL=0 (pdl off); the defaults for those unset. A bad value is refused naming
+        its variable."""
+        kernel = env.get(ENV_DECODE_KERNEL, cls.decode_kernel)
+        if kernel not in DECODE_KERNELS:
+            raise ValueError(f"{ENV_DECODE_KERNEL} must be one of {', '.join(DECODE_KERNELS)}, got {kernel!r}")
+        grid = env.get(ENV_DECODE_GRID, cls.decode_grid)
+        if grid not in GRID_ORDERS:
+            raise ValueError(f"{ENV_DECODE_GRID} must be one of {', '.join(GRID_ORDERS)}, got {grid!r}")
+        return cls(decode_kernel=kernel, decode_grid=grid, pdl=env.get(ENV_PDL, "1") != "0")
+
+
+DEFAULT = KernelConfig()
