@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,15 +19,15 @@ import torch
 from mii_async.config import EngineConfig, SchedulerConfig
 from mii_async.errors import InvalidParameterError
 from mii_async.kernels import get_ops, resolve_backend
+from mii_async.kernels.config import KernelConfig
 from mii_async.model_source import resolve_model
 
 from .core.block_manager import BlockManager
 from .core.scheduler import Scheduler
 from .execute import kv_cache
-from .execute.cuda_graphs import DecodeGraphs, graph_reserve
 from .execute.memory_plan import MemoryPlan, plan_kv, profile_step, warn_limits
-from .execute.piecewise_graphs import MAX_TOKENS as PIECEWISE_MAX_TOKENS, PiecewiseGraphs, piecewise_reserve
-from .execute.runner import Runner
+from .execute.piecewise_graphs import MAX_TOKENS as PIECEWISE_MAX_TOKENS
+from .execute.runner import GraphPlan, Runner
 from .model.decoder import DecoderModel
 from .model.loader import TensorReader, WeightReader, load_spec
 from .model.parallel import TPGroup
@@ -81,20 +82,18 @@ def build(config: EngineConfig, model_path: Path | None = None, tp: TPGroup | No
     t0 = time.perf_counter()
     try:
         kernels = resolve_backend(mc.kernels, device.type)
+        kernel_config = KernelConfig.from_env(os.environ)   # $MII_ASYNC_DECODE, _DECODE_GRID, _PDL: read once, here
     except ValueError as exc:
         raise InvalidParameterError("kernels", str(exc)) from None
     reader = TensorReader(weights) if weights is not None else WeightReader(model_path)
-    model = model_class(spec).load(spec, reader, dtype, device, max_model_len, get_ops(kernels), tp)
+    model = model_class(spec).load(spec, reader, dtype, device, max_model_len, get_ops(kernels, kernel_config), tp)
     kv_spec = dataclasses.replace(spec, num_kv_heads=model.num_kv_heads)   # this rank's KV heads
     load_seconds = time.perf_counter() - t0
     cc = config.cache
     sched = config.scheduler.resolved(device.type)
     config = dataclasses.replace(config, scheduler=sched)
     sampler = Sampler(spec.vocab_size, spec.eos_token_ids, device)
-    graphs = device.type == "cuda" and mc.cuda_graphs and tp is None   # TP graphs: not yet
-    max_graph_batch = min(sched.max_num_seqs, 512)
-    piecewise = graphs and mc.piecewise_graphs
-    piecewise_tokens = min(sched.max_mixed_batch_tokens or sched.max_batch_tokens, PIECEWISE_MAX_TOKENS)
+    graph_plan = _graph_plan(config, device, max_model_len, tp)
     memory_plan = None
     per_block = kv_cache.bytes_per_block(kv_spec, cc.block_size, dtype)
     if cc.num_blocks:
@@ -102,8 +101,7 @@ def build(config: EngineConfig, model_path: Path | None = None, tp: TPGroup | No
     elif device.type != "cuda" or cc.kv_cache_memory is not None:
         num_blocks = int((cc.kv_cache_memory or cc.CPU_KV_GIB) * 2**30 // per_block)
     else:
-        reserve = ((graph_reserve(max_graph_batch, spec.vocab_size) if graphs else 0)
-                   + (piecewise_reserve(model, piecewise_tokens) if piecewise else 0))
+        reserve = graph_plan.reserve(model) if graph_plan is not None else 0
         memory_plan = _plan_memory(config, model, sampler, kv_spec, per_block, dtype, device, max_model_len,
                                    reserve)
         num_blocks = memory_plan.num_blocks
@@ -111,18 +109,12 @@ def build(config: EngineConfig, model_path: Path | None = None, tp: TPGroup | No
     if tp is None or tp.rank == 0:
         warn_limits(mc.max_model_len, limit, max_model_len, num_blocks * cc.block_size)
     # With graphs, one more block than the block manager knows: the scratch block of padded rows.
-    kv = kv_cache.allocate(kv_spec, num_blocks + int(graphs), cc.block_size, dtype, device)
+    kv = kv_cache.allocate(kv_spec, num_blocks + int(graph_plan is not None), cc.block_size, dtype, device)
     block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
     scheduler = Scheduler(sched, block_manager)
     runner = Runner(model, kv, cc.block_size, device)
-    if graphs:
-        runner.graphs = DecodeGraphs(model, kv, cc.block_size, device, max_graph_batch, max_model_len,
-                                     scratch_block=num_blocks)
-        runner.graphs.capture()
-    if piecewise:
-        runner.piecewise = PiecewiseGraphs(model, kv, device, piecewise_tokens, num_blocks * cc.block_size,
-                                           max_rows=sched.max_num_seqs)
-        runner.piecewise.capture()
+    if graph_plan is not None:
+        runner.capture(graph_plan, scratch_block=num_blocks)
     if memory_plan is not None:
         _log_plan(memory_plan, runner, sched)
     async_scheduling = sched.async_scheduling if sched.async_scheduling is not None else device.type == "cuda"
@@ -130,6 +122,17 @@ def build(config: EngineConfig, model_path: Path | None = None, tp: TPGroup | No
         async_scheduling = False   # the other ranks would need the device ids too: not yet
     return EngineParts(config, model_path, spec, device, dtype, kernels, max_model_len, tp, model, load_seconds,
                        memory_plan, num_blocks, kv, block_manager, scheduler, runner, sampler, async_scheduling)
+
+
+def _graph_plan(config: EngineConfig, device: torch.device, max_model_len: int, tp: TPGroup | None) -> GraphPlan | None:
+    """The CUDA graphs the runner captures (`config.scheduler` resolved), or None: not on a GPU, not with
+    cuda_graphs off, not yet with tensor parallelism."""
+    mc, sched = config.model, config.scheduler
+    if device.type != "cuda" or not mc.cuda_graphs or tp is not None:
+        return None
+    piecewise_tokens = min(sched.max_mixed_batch_tokens or sched.max_batch_tokens, PIECEWISE_MAX_TOKENS)
+    return GraphPlan(max_batch=min(sched.max_num_seqs, 512), max_context=max_model_len,
+                     piecewise_tokens=piecewise_tokens if mc.piecewise_graphs else 0, max_rows=sched.max_num_seqs)
 
 
 def _plan_memory(config: EngineConfig, model: DecoderModel, sampler: Sampler, kv_spec: ModelSpec, per_block: int,
@@ -145,7 +148,7 @@ def _plan_memory(config: EngineConfig, model: DecoderModel, sampler: Sampler, kv
 
 
 def _log_plan(plan: MemoryPlan, runner: Runner, sched: SchedulerConfig) -> None:
-    measured = sum(g.memory for g in (runner.graphs, runner.piecewise) if g is not None)
+    measured = runner.graph_memory
     if measured > plan.graph_reserve:
         log.warning("the CUDA graphs took %.2f GiB, more than the %.2f GiB the memory plan set aside",
                     measured / 2**30, plan.graph_reserve / 2**30)

@@ -4,12 +4,16 @@ logprobs). Makes no scheduling decision.
 The step's inputs are built on the host with a few numpy calls over the whole batch (not per-sequence tensor
 ops), packed into one int64 buffer and moved to the device with one copy: at 256 sequences a step's host
 work is the bottleneck on a GPU, not its kernels.
+
+On a GPU the runner owns its CUDA graphs: the builder says which and how large (a `GraphPlan`), the runner
+captures them over its KV pool (`capture`) and replays them where a step fits one (`execute`).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from itertools import chain
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -19,6 +23,10 @@ from mii_async.kernels.metadata import AttentionMetadata, HostGroup, device_grou
 from ..model.decoder import DecoderModel
 from .staging import Staging
 from ..core.step_plan import ScheduledSeq, StepPlan
+
+if TYPE_CHECKING:
+    from .cuda_graphs import DecodeGraphs
+    from .piecewise_graphs import PiecewiseGraphs
 
 
 def pack_tables(seqs: list[ScheduledSeq], pad: int) -> tuple[np.ndarray, np.ndarray]:
@@ -132,6 +140,29 @@ def fill_pending(ids: torch.Tensor, rows: torch.Tensor, sources: torch.Tensor, p
     ids.index_copy_(0, rows, pending.index_select(0, sources))
 
 
+@dataclass(frozen=True)
+class GraphPlan:
+    """Which CUDA graphs a runner captures, and how large: decode graphs always, piecewise graphs (steps with
+    prompt chunks) when `piecewise_tokens` > 0. Fixed before the KV pool is sized, since the memory plan sets
+    their `reserve` aside."""
+    max_batch: int              # sequences in the largest decode graph; larger decode steps run eagerly
+    max_context: int            # tokens of context the largest decode graph covers (max_model_len)
+    piecewise_tokens: int       # tokens of the largest piecewise step (rounded up to its bucket); 0: none
+    max_rows: int               # sampled rows the piecewise graphs' eager head is warmed at (max_num_seqs)
+
+    def __post_init__(self) -> None:
+        assert self.max_batch >= 1 and self.max_context >= 1, f"a decode graph needs a batch and a context: {self}"
+        assert self.piecewise_tokens >= 0 and self.max_rows >= 0, f"negative piecewise sizes: {self}"
+
+    def reserve(self, model: DecoderModel) -> int:
+        """Bytes the memory plan sets aside for these graphs of `model` before they exist."""
+        from .cuda_graphs import graph_reserve              # here: cuda_graphs imports this module (`capture`)
+        from .piecewise_graphs import piecewise_reserve
+
+        return (graph_reserve(self.max_batch, model.spec.vocab_size)
+                + (piecewise_reserve(model, self.piecewise_tokens) if self.piecewise_tokens else 0))
+
+
 class Runner:
     def __init__(self, model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  device: torch.device) -> None:
@@ -139,10 +170,37 @@ class Runner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
-        self.graphs = None            # DecodeGraphs, once captured (a GPU replica with cuda_graphs)
-        self.piecewise = None         # PiecewiseGraphs: steps with prompt chunks, the layers' dense parts replayed
+        # Both kinds of graphs replay while set; a probe may set either to None (eager) and back.
+        self.graphs: DecodeGraphs | None = None           # decode-only steps, once captured (`capture`)
+        self.piecewise: PiecewiseGraphs | None = None     # steps with prompt chunks: the layers' dense parts
+                                                          # replayed, attention eager between them
         self.ragged = getattr(model.ops, "RAGGED_PREFILL", False)   # the op set takes prefill_groups
         self.staging = Staging(device) if device.type != "cpu" else None
+
+    def capture(self, plan: GraphPlan, scratch_block: int) -> None:
+        """Captures the graphs `plan` asks for over this runner's KV pool: the decode graphs, then the
+        piecewise graphs (which pad into the same scratch block). `scratch_block`: a block of the pool that no
+        sequence owns, where padded rows write their K/V. Run it last in building: the graphs read the pool
+        and the model as they are now."""
+        # Imported here: cuda_graphs imports this module's host-input helpers (pack_tables, placeholders).
+        from .cuda_graphs import DecodeGraphs
+        from .piecewise_graphs import PiecewiseGraphs
+
+        assert self.device.type == "cuda", f"CUDA graphs on a {self.device.type} runner"
+        assert scratch_block < self.kv_caches[0][0].shape[0], "the scratch block is outside the KV pool"
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, self.device, plan.max_batch,
+                                   plan.max_context, scratch_block=scratch_block)
+        self.graphs.capture()
+        if plan.piecewise_tokens:
+            self.piecewise = PiecewiseGraphs(self.model, self.kv_caches, self.device, plan.piecewise_tokens,
+                                             scratch_block * self.block_size, max_rows=plan.max_rows)
+            self.piecewise.capture()
+
+    @property
+    def graph_memory(self) -> int:
+        """Bytes the graphs set on this runner took when captured (measured; the memory plan reserved its
+        estimate)."""
+        return sum(g.memory for g in (self.graphs, self.piecewise) if g is not None)
 
     def upload(self, buf: np.ndarray) -> torch.Tensor:
         """The step's host inputs on the device: on a GPU one asynchronous copy from a persistent pinned buffer

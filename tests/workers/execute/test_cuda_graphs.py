@@ -85,6 +85,8 @@ def test_memory_plan_sizes_the_pool(tmp_path):
     assert plan.weights + plan.activations + plan.kv_bytes + plan.graph_reserve <= 0.2 * total
     assert torch.cuda.memory_allocated() <= 0.2 * total
     assert "KV pool" in plan.describe()
+    runner = engine.runner                            # the runner captured both kinds; the plan reads their sum
+    assert runner.graph_memory == runner.graphs.memory + runner.piecewise.memory
     assert engine.config.scheduler.max_batch_tokens == 2048 and engine.config.scheduler.max_num_seqs == 256
     del engine
     with pytest.raises(mii_async.InvalidParameterError) as e:
