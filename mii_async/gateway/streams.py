@@ -20,7 +20,8 @@ class Job(NamedTuple):
     index: int                 # the choice's index in the answer
     prompt_index: int          # which of the request's prompts (n choices share one)
     prompt: Any                # str | list[int] | chat messages
-    params: dict[str, Any]     # sampling parameters, by mii_async's names
+    params: dict[str, Any]     # client.stream's keywords: sampling parameters by mii_async's names, and a chat's
+                               # tools, parallel_tool_calls and fit_context
 
 
 class Opened(NamedTuple):

@@ -2,7 +2,7 @@
 text streams in.
 
 A call is a block `<tool_call>{"name": …, "arguments": {…}}</tool_call>` (the Hermes / Qwen format, which the
-fallback prompt asks for: tool_prompt.py), or a whole answer that is exactly such a JSON object (Llama 3.1's
+fallback prompt asks for: text/chat_tools.py), or a whole answer that is exactly such a JSON object (Llama 3.1's
 habit; "parameters" is read as "arguments" in both). A block whose JSON does not parse, or names a function
 that was not given, stays in the content as it was written (as vLLM does); nothing here raises on a model's
 text. Text outside the blocks is the content.
@@ -18,7 +18,9 @@ from __future__ import annotations
 import json
 from typing import Any, NamedTuple
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+from ..text.chat_tools import CALL_CLOSE, CALL_OPEN
+
+OPEN, CLOSE = CALL_OPEN, CALL_CLOSE   # the markers the prompt asks for (text/chat_tools.py)
 _decoder = json.JSONDecoder()
 
 
