@@ -8,11 +8,11 @@ from .api import client, pipeline, serve
 from .async_client import AsyncClient
 from .errors import (EngineClosedError, GenerationError, InvalidParameterError, MIIAsyncError, ModelNotFoundError,
                      OverloadedError, RequestTooLongError, UnavailableError, UnsupportedModelError)
-from .outputs import Response, StreamChunk, Usage
+from .outputs import FinishReason, Response, StreamChunk, Usage
 from .params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["pipeline", "serve", "client", "AsyncClient", "Response", "StreamChunk", "Usage", "SamplingParams",
-           "MIIAsyncError", "InvalidParameterError", "RequestTooLongError", "ModelNotFoundError",
+__all__ = ["pipeline", "serve", "client", "AsyncClient", "FinishReason", "Response", "StreamChunk", "Usage",
+           "SamplingParams", "MIIAsyncError", "InvalidParameterError", "RequestTooLongError", "ModelNotFoundError",
            "UnsupportedModelError", "EngineClosedError", "GenerationError", "OverloadedError", "UnavailableError",
            "__version__"]

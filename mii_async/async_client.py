@@ -31,9 +31,9 @@ from . import protocol as P
 from .client_connection import Connection, ConnectionConfig, Lost, within
 from .errors import (EngineClosedError, InvalidParameterError, RequestTooLongError, UnavailableError,
                      error_from_code)
-from .guided import normalize_json_schema
 from .outputs import Logprob, Response, StreamChunk, Usage
 from .params import SamplingParams
+from .text.chat_tools import check_tools, keep_call_markers
 from .text.prompts import check_token_ids, is_messages, is_token_ids
 from .transport import DealerSocket
 from .text.unicode_text import check_text
@@ -102,22 +102,34 @@ class AsyncClient:
         self._closed = False
 
     # -- streaming -----------------------------------------------------------------------------------
-    async def stream(self, prompt: Prompt, **params: Any) -> AsyncIterator[StreamChunk]:
+    async def stream(self, prompt: Prompt, *, tools: list[dict] | None = None, parallel_tool_calls: bool = True,
+                     fit_context: bool = False, **params: Any) -> AsyncIterator[StreamChunk]:
         """Yields a StreamChunk per sampled token as soon as the router has it; the last one carries
         finish_reason and usage. A refused request raises (InvalidParameterError naming the parameter,
-        OverloadedError, UnavailableError); a request that fails later ends with finish_reason "error"."""
-        async for d in self._deltas(prompt, params):
+        OverloadedError, UnavailableError); a request that fails later ends with finish_reason "error".
+
+        `tools` (a chat only): function tools, OpenAI's shape, that the router renders into the chat's prompt
+        (the template's own way, or a system section asking for `<tool_call>` blocks); `parallel_tool_calls`:
+        whether that prompt allows several calls per answer. An answer that is not guided keeps the markers
+        where the tokenizer holds them as special tokens, unless `skip_special_tokens` is given. `fit_context`:
+        max_new_tokens is lowered to the room the prompt leaves in the context and the KV pool."""
+        fields = _generate_fields(params, tools, parallel_tool_calls, fit_context)
+        async for d in self._deltas(prompt, params, fields):
             yield _chunk(d)
 
-    async def generate(self, prompts: Prompt | Sequence[Prompt], **params: Any) -> list[Response]:
+    async def generate(self, prompts: Prompt | Sequence[Prompt], *, tools: list[dict] | None = None,
+                       parallel_tool_calls: bool = True, fit_context: bool = False,
+                       **params: Any) -> list[Response]:
         """One Response per prompt, in order; a single prompt still gives a list. If one prompt is refused,
-        the others are aborted and the error is raised."""
+        the others are aborted and the error is raised. `tools`, `parallel_tool_calls`, `fit_context`: as
+        for `stream`, for every prompt."""
         if isinstance(prompts, str) or is_token_ids(prompts) or is_messages(prompts):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise InvalidParameterError("prompts", "must be a non-empty list of prompts")
         SamplingParams.from_kwargs(**params)
-        tasks = [asyncio.ensure_future(self._collect(p, params)) for p in prompts]
+        fields = _generate_fields(params, tools, parallel_tool_calls, fit_context)
+        tasks = [asyncio.ensure_future(self._collect(p, params, fields)) for p in prompts]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
@@ -130,11 +142,15 @@ class AsyncClient:
         """The synchronous facade: `generate` run on the client's own loop thread; blocks until done."""
         return self.run(self.generate(prompts, **params))
 
-    async def _deltas(self, prompt: Prompt, params: dict[str, Any]) -> AsyncIterator[P.Delta]:
-        SamplingParams.from_kwargs(**params)       # fail fast, naming the parameter; the router checks again
+    async def _deltas(self, prompt: Prompt, params: dict[str, Any],
+                      fields: dict[str, Any] | None = None) -> AsyncIterator[P.Delta]:
+        """`fields`: the Generate's fields beside the prompt and params (_generate_fields, checked)."""
+        sp = SamplingParams.from_kwargs(**params)   # fail fast, naming the parameter; the router checks again
         conn = self._conn()
         req_id = str(next(self._ids))
-        msg = P.Generate(req_id=req_id, params=_wire_params(params))
+        msg = P.Generate(req_id=req_id, params=sp.to_wire(), **(fields or {}))
+        if msg.tools is not None and not is_messages(prompt):
+            raise InvalidParameterError("tools", "tools go with a chat: give the prompt as messages")
         if isinstance(prompt, str):
             check_text("prompt", prompt)                 # msgpack could not carry it
             msg.prompt = prompt
@@ -174,20 +190,20 @@ class AsyncClient:
             if not done and not self._closed:
                 conn.send_later(P.Abort(req_id=req_id))
 
-    async def _collect(self, prompt: Prompt, params: dict[str, Any]) -> Response:
+    async def _collect(self, prompt: Prompt, params: dict[str, Any], fields: dict[str, Any]) -> Response:
         text, ids, lps = [], [], []
         prompt_ids: list[int] = []
         prompt_lps: list[Logprob | None] | None = None
         last: P.Delta | None = None
-        async for d in self._deltas(prompt, params):
+        async for d in self._deltas(prompt, params, fields):
             text.append(d.text)
             ids.extend(d.token_ids)
             if d.logprobs:
-                lps.extend(_logprob(x) for x in d.logprobs)
+                lps.extend(map(Logprob.from_wire, d.token_ids, d.logprobs, itertools.repeat(d.token_texts)))
             if d.prompt_ids is not None:
                 prompt_ids = d.prompt_ids
             if d.prompt_logprobs is not None:          # decode saw the prompt's ids in the same Delta
-                prompt_lps = d.prompt_logprobs.to_logprobs(prompt_ids)
+                prompt_lps = d.prompt_logprobs.to_logprobs(prompt_ids, d.token_texts)
             last = d
         assert last is not None and last.finish_reason is not None, "stream ended without a finish reason"
         out = "".join(text)
@@ -334,20 +350,17 @@ class AsyncClient:
         self.close()
 
 
-def _wire_params(params: dict[str, Any]) -> dict[str, Any]:
-    """msgpack-ready: tuples as lists, logit_bias's {id: bias} as [id, bias] pairs (a msgpack map's keys
-    must be strings), and a guided_json schema as its checked JSON text."""
-    out = {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()}
-    if isinstance(out.get("logit_bias"), dict):
-        out["logit_bias"] = [[k, b] for k, b in out["logit_bias"].items()]
-    if isinstance(out.get("guided_json"), dict):
-        out["guided_json"] = normalize_json_schema(out["guided_json"])
-    return out
-
-
-def _logprob(x: list) -> Logprob:
-    rank = x[3]
-    return Logprob(int(x[0]), float(x[1]), [(int(i), float(lp)) for i, lp in x[2]], None if rank is None else int(rank))
+def _generate_fields(params: dict[str, Any], tools: Any, parallel_tool_calls: Any,
+                     fit_context: Any) -> dict[str, Any]:
+    """A Generate's fields beside the prompt and `params` (the sampling keywords as given), checked here, where
+    the caller can be named: msgpack could not carry a malformed tool."""
+    if tools is not None:
+        check_tools(tools)
+    for name, v in (("parallel_tool_calls", parallel_tool_calls), ("fit_context", fit_context)):
+        if not isinstance(v, bool):
+            raise InvalidParameterError(name, "must be true or false")
+    return {"tools": None if tools is None else list(tools), "parallel_tool_calls": parallel_tool_calls,
+            "keep_tool_markers": keep_call_markers(tools, params), "fit_context": fit_context}
 
 
 def _usage(u: dict | None) -> Usage | None:
@@ -357,7 +370,8 @@ def _usage(u: dict | None) -> Usage | None:
 
 
 def _chunk(d: P.Delta) -> StreamChunk:
-    lps = [_logprob(x) for x in d.logprobs] if d.logprobs else None
-    plps = d.prompt_logprobs.to_logprobs(d.prompt_ids) if d.prompt_logprobs is not None else None
+    texts = d.token_texts
+    lps = list(map(Logprob.from_wire, d.token_ids, d.logprobs, itertools.repeat(texts))) if d.logprobs else None
+    plps = d.prompt_logprobs.to_logprobs(d.prompt_ids, texts) if d.prompt_logprobs is not None else None
     return StreamChunk(d.text, list(d.token_ids), lps, d.finish_reason, _usage(d.usage), d.error, plps,
-                       d.prompt_ids)
+                       d.prompt_ids, texts)

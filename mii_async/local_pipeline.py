@@ -17,6 +17,7 @@ from .engine_thread import EngineThread
 from .errors import InvalidParameterError
 from .outputs import Response, StreamChunk
 from .params import SamplingParams
+from .text.chat_tools import keep_call_markers, keeping_markers
 from .text.prompts import PromptEncoder, is_messages, is_token_ids
 from .text.request_state import RequestState
 
@@ -39,9 +40,11 @@ class Pipeline:
         self._ids = itertools.count()
 
     # -- public API ----------------------------------------------------------------------------------
-    def __call__(self, prompts: Prompt | Sequence[Prompt], **params: Any) -> list[Response]:
-        """Generates for each prompt; blocks until all finish. A single prompt still gives a list."""
-        batch = self._prepare_batch(prompts, params)
+    def __call__(self, prompts: Prompt | Sequence[Prompt], *, tools: list[dict] | None = None,
+                 parallel_tool_calls: bool = True, **params: Any) -> list[Response]:
+        """Generates for each prompt; blocks until all finish. A single prompt still gives a list. `tools`
+        (chats only) and `parallel_tool_calls`: as AsyncClient.stream's, for every prompt."""
+        batch = self._prepare_batch(prompts, params, tools, parallel_tool_calls)
         done: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
         states: dict[int, RequestState] = {}
         try:
@@ -59,15 +62,18 @@ class Pipeline:
                     self._engine.abort(req_id)
         return [s.response() for s in states.values()]
 
-    async def agenerate(self, prompts: Prompt | Sequence[Prompt], **params: Any) -> list[Response]:
+    async def agenerate(self, prompts: Prompt | Sequence[Prompt], *, tools: list[dict] | None = None,
+                        parallel_tool_calls: bool = True, **params: Any) -> list[Response]:
         """Async `__call__`: one Response per prompt, in order."""
-        batch = self._prepare_batch(prompts, params)
+        batch = self._prepare_batch(prompts, params, tools, parallel_tool_calls)
         return list(await asyncio.gather(*(self._run(state) for state in batch)))
 
-    async def stream(self, prompt: Prompt, **params: Any) -> AsyncIterator[StreamChunk]:
+    async def stream(self, prompt: Prompt, *, tools: list[dict] | None = None, parallel_tool_calls: bool = True,
+                     **params: Any) -> AsyncIterator[StreamChunk]:
         """Yields a StreamChunk per sampled token, as soon as it is sampled; the last one carries
-        finish_reason and usage. Leaving the loop early or cancelling aborts the request."""
-        state = self._prepare(prompt, SamplingParams.from_kwargs(**params))
+        finish_reason and usage. Leaving the loop early or cancelling aborts the request. `tools` and
+        `parallel_tool_calls`: as AsyncClient.stream's."""
+        state = self._prepare(prompt, self._params(params, tools), tools=tools, parallel_tool_calls=parallel_tool_calls)
         req_id = next(self._ids)
         q = self._async_sink(req_id, state)
         try:
@@ -84,9 +90,10 @@ class Pipeline:
             if not state.finished:
                 self._engine.abort(req_id)
 
-    def chat(self, messages: list[dict[str, str]], **params: Any) -> Response:
-        """One chat turn through the tokenizer's chat template."""
-        return self([messages], **params)[0]
+    def chat(self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None,
+             parallel_tool_calls: bool = True, **params: Any) -> Response:
+        """One chat turn through the tokenizer's chat template (with the tools it shows)."""
+        return self([messages], tools=tools, parallel_tool_calls=parallel_tool_calls, **params)[0]
 
     def stats(self) -> dict[str, int]:
         """KV pool and scheduler counters (blocks used/free, prefix hits, preemptions, …)."""
@@ -137,18 +144,27 @@ class Pipeline:
             self._engine.abort(req_id)    # a stop string ended it before the engine knew
         return chunk
 
-    def _prepare_batch(self, prompts: Prompt | Sequence[Prompt], params: dict[str, Any]) -> list[RequestState]:
-        sp = SamplingParams.from_kwargs(**params)
+    def _prepare_batch(self, prompts: Prompt | Sequence[Prompt], params: dict[str, Any],
+                       tools: list[dict] | None = None, parallel_tool_calls: bool = True) -> list[RequestState]:
+        sp = self._params(params, tools)
         if isinstance(prompts, str) or is_token_ids(prompts) or is_messages(prompts):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise InvalidParameterError("prompts", "must be a non-empty list of prompts")
-        return [self._prepare(p, sp, keep_logprobs=True) for p in prompts]     # for their Responses
+        return [self._prepare(p, sp, keep_logprobs=True, tools=tools, parallel_tool_calls=parallel_tool_calls)
+                for p in prompts]     # keep_logprobs: for their Responses
 
-    def _prepare(self, prompt: Prompt, params: SamplingParams, keep_logprobs: bool = False) -> RequestState:
-        """Tokenizes a text, a list of token ids or chat messages; validation errors name `prompt`.
-        `keep_logprobs`: the state gathers the logprobs for response() (a stream's chunks carry them alone)."""
-        _, ids = self._encoder.encode(prompt)
+    def _params(self, params: dict[str, Any], tools: list[dict] | None) -> SamplingParams:
+        """The caller's sampling keywords, checked; an answer read for tool calls keeps the call markers."""
+        sp = SamplingParams.from_kwargs(**params)
+        return keeping_markers(sp, self.tokenizer) if keep_call_markers(tools, params) else sp
+
+    def _prepare(self, prompt: Prompt, params: SamplingParams, keep_logprobs: bool = False,
+                 tools: list[dict] | None = None, parallel_tool_calls: bool = True) -> RequestState:
+        """Tokenizes a text, a list of token ids or chat messages (with their tools); validation errors name
+        `prompt`. `keep_logprobs`: the state gathers the logprobs for response() (a stream's chunks carry them
+        alone)."""
+        _, ids = self._encoder.encode(prompt, tools, parallel_tool_calls)
         self._engine.engine.check_request(ids, params)
         # return_full_text prepends a text prompt only, as the mesh client does (not a chat's rendered template)
         text = prompt if isinstance(prompt, str) else None

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import array
 import sys
+from itertools import repeat
 from typing import Any, NamedTuple
 
-from .outputs import Logprob
+from .outputs import Logprob, TokenTexts
 
 
 class PromptLogprobs(NamedTuple):
@@ -36,9 +37,10 @@ class PromptLogprobs(NamedTuple):
                 and type(ranks) is bytes and len(own) % 4 == 0 and len(ids) == len(lps) == n * len(own)
                 and len(ranks) == len(own))
 
-    def to_logprobs(self, prompt_ids: list[int]) -> list[Logprob | None]:
+    def to_logprobs(self, prompt_ids: list[int], token_texts: TokenTexts | None = None) -> list[Logprob | None]:
         """The public form, one entry per prompt token: None for the first, then Logprob(prompt token, its
-        logprob, [(id, logprob), …] best first, its rank). `prompt_ids` are the prompt's L tokens."""
+        logprob, [(id, logprob), …] best first, its rank, `token_texts`). `prompt_ids` are the prompt's L
+        tokens."""
         assert len(prompt_ids) == self.num_positions + 1, "one position per prompt token after the first"
         own = unpack(self.own, "f")
         ids = unpack(self.top_ids, "I")
@@ -46,7 +48,7 @@ class PromptLogprobs(NamedTuple):
         n = self.n
         pairs = list(zip(ids, lps))
         tops = [pairs[k:k + n] for k in range(0, len(pairs), n)] if n else [[] for _ in own]
-        return [None, *map(Logprob, prompt_ids[1:], own, tops, unpack(self.ranks, "I"))]
+        return [None, *map(Logprob, prompt_ids[1:], own, tops, unpack(self.ranks, "I"), repeat(token_texts))]
 
 
 def unpack(b: bytes, typecode: str) -> list:

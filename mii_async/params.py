@@ -1,7 +1,9 @@
-"""SamplingParams: what a caller may ask of one generation, and its validation.
+"""SamplingParams: what a caller may ask of one generation, its validation and its one wire form.
 
 Every value is checked in `__post_init__`; a bad one raises `InvalidParameterError` naming the field, so a bad
-request is answered with an error before any engine sees it.
+request is answered with an error before any engine sees it. Checked once per trust boundary: at the edge
+(the client library, the gateway: `from_kwargs`) and in the router (`from_wire`); a worker takes its router's
+as they come (`from_wire(trusted=True)`).
 """
 from __future__ import annotations
 
@@ -147,8 +149,37 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
+    def to_wire(self) -> dict[str, Any]:
+        """The one wire form (Generate.params, AddRequest.params): every field by name, as checked and
+        normalized here, tuples as lists (logit_bias as [[id, bias], …])."""
+        out = {name: getattr(self, name) for name in _NAMES}
+        for name in _TUPLES:
+            if (v := out[name]) is not None:
+                out[name] = list(v)
+        out["logit_bias"] = [list(e) for e in self.logit_bias]
+        return out
 
-_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any], *, trusted: bool = False) -> SamplingParams:
+        """`to_wire`'s map back. Checked as `from_kwargs` checks a caller's (the router: what a client sent
+        may be anything), unless `trusted`: a worker builds its router's, which the router checked and
+        normalized, without checking them again."""
+        if not trusted:
+            return cls.from_kwargs(**wire)
+        assert wire.keys() == _FIELDS, f"not SamplingParams.to_wire()'s fields: {sorted(wire.keys() ^ _FIELDS)}"
+        p = object.__new__(cls)
+        for name in _NAMES:
+            object.__setattr__(p, name, wire[name])
+        for name in _TUPLES:
+            if (v := wire[name]) is not None:
+                object.__setattr__(p, name, tuple(v))
+        object.__setattr__(p, "logit_bias", tuple((i, b) for i, b in wire["logit_bias"]))
+        return p
+
+
+_NAMES = tuple(f.name for f in dataclasses.fields(SamplingParams))
+_FIELDS = set(_NAMES)
+_TUPLES = ("stop", "stop_token_ids", "guided_choice")   # tuples of scalars: lists on the wire
 
 
 def _is_int(v: Any) -> bool:

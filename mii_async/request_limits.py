@@ -1,7 +1,8 @@
 """RequestLimits: what makes a request impossible for a deployment, checked before any engine sees it.
 
-The engine checks its own requests with it; the router checks with the limits its replicas reported in their
-ready handshake, so that a bad request is refused at the edge. Imports no torch.
+Checked once, where a request is admitted: the router checks with the limits its replicas reported in their
+ready handshake, and the local pipeline (which has no router) with its engine's. The engine takes what it is
+handed. Imports no torch.
 """
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ import pytest
 
 import mii_async
 from mii_async import InvalidParameterError, OverloadedError, RequestTooLongError
+from mii_async.outputs import FinishReason
 from tests.mesh_helpers import kv_idle, until, wait_gone, deployment_pids
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -61,7 +62,8 @@ def test_reset_prefix_cache_makes_a_repeated_prompt_compute_again(deployment):
 
 
 def test_remote_equals_local_pipeline(deployment, default_pipe):
-    """Through the mesh, text, tokens, logprobs and stop strings are what the in-process pipeline gives."""
+    """Through the mesh, text, tokens, logprobs (with their tokens' texts, the router's on one side, the
+    pipeline's on the other), finish reasons and stop strings are what the in-process pipeline gives."""
     prompts = ["The capital of France is", "List three colours:"]
     kw = dict(max_new_tokens=20, logprobs=2, stop=[" and", "\n\n"])
     remote = deployment(prompts, **kw)
@@ -72,6 +74,8 @@ def test_remote_equals_local_pipeline(deployment, default_pipe):
         for a, b in zip(r.logprobs, l.logprobs):
             assert abs(a.logprob - b.logprob) < 1e-4 and [t for t, _ in a.top] == [t for t, _ in b.top]
             assert a.rank == b.rank == 1                  # greedy: each token the most likely
+            assert (a.text, a.top_texts, a.top_bytes) == (b.text, b.top_texts, b.top_bytes) and a.text is not None
+        assert type(r.finish_reason) is type(l.finish_reason) is FinishReason
     # return_full_text: a text prompt goes before the answer, a chat's messages do not (on both sides)
     for prompt in ("The capital of France is", QUESTION):
         [plain] = default_pipe([prompt], max_new_tokens=4)

@@ -112,9 +112,9 @@ def test_request_state_keeps_logprobs_only_for_a_response(model_dir, prompts):
     params = SamplingParams.from_kwargs(max_new_tokens=2, logprobs=1, prompt_logprobs=1)
     plps = pack([(-1.0 - i, [(7, -0.5)]) for i in range(1, len(prompt))], 1)
     want = [None] + [Logprob(t, -1.0 - i, [(7, -0.5)], 2) for i, t in enumerate(prompt[1:], 1)]
-    events = [NS(token_id=5, logprobs=NS(logprob=-0.25, top=[(5, -0.25)], rank=1), finish_reason=None,
+    events = [NS(token_id=5, logprobs=Logprob(5, -0.25, [(5, -0.25)], 1), finish_reason=None,
                  cached_tokens=0, prompt_logprobs=plps),
-              NS(token_id=6, logprobs=NS(logprob=-0.5, top=[(6, -0.5)], rank=3), finish_reason="length",
+              NS(token_id=6, logprobs=Logprob(6, -0.5, [(6, -0.5)], 3), finish_reason="length",
                  cached_tokens=0, prompt_logprobs=plps)]   # (a second copy is ignored: it belongs to the first chunk)
     for mode in ({}, {"decode_prompt_logprobs": True}, {"keep_logprobs": True}):
         state = RequestState(tok, None, list(prompt), params, **mode)
@@ -125,8 +125,12 @@ def test_request_state_keeps_logprobs_only_for_a_response(model_dir, prompts):
             state.packed_prompt_logprobs = None          # as the router takes them
         assert [(c.logprobs[0].logprob, c.logprobs[0].rank) for c in chunks] == [(-0.25, 1), (-0.5, 3)]
         assert chunks[1].prompt_logprobs is None
+        # the tokenizer is here: every Logprob, and every chunk that has any, knows the texts of the ids named
+        assert [c.logprobs[0].text for c in chunks] == [tok.decode([5]), tok.decode([6])]
+        assert chunks[0].token_texts.text(prompt[0]) == tok.decode([prompt[0]])   # the first has no Logprob
         if mode:
             assert chunks[0].prompt_logprobs == want and packed == [None, None]
+            assert chunks[0].prompt_logprobs[1].top_texts == [tok.decode([7])]
         else:
             assert chunks[0].prompt_logprobs is None and packed == [plps, None]
         if "keep_logprobs" in mode:

@@ -11,33 +11,37 @@ from hypothesis import strategies as st
 
 from mii_async import packed
 from mii_async import protocol as p
-from mii_async.outputs import Logprob
+from mii_async.outputs import FinishReason, Logprob, TokenTexts
+from mii_async.params import SamplingParams
 from tests.packed_logprobs import pack
 
 PLPS = pack([(-2.5, [(3, -0.125), (9, -3.0)])], 2)     # a 2-token prompt's, 2 alternatives
+TEXTS = TokenTexts({1: "a", 3: "é", 9: "\ufffd"}, {9: b"\xe4"})   # the texts of the ids PLPS and [1, 3] name
 
 SAMPLES = [
-    p.Generate(req_id="r1", prompt="héllo 你好", params={"max_new_tokens": 3, "stop": ["\n"]}),
+    p.Generate(req_id="r1", prompt="héllo 你好", params=SamplingParams(max_new_tokens=3, stop=["\n"]).to_wire()),
     p.Generate(req_id="r2", prompt_ids=[0, 1, 2**32 - 1]),
     p.Generate(req_id="r3", messages=[{"role": "user", "content": "hi"}]),
     p.Abort(req_id="r1"),
-    p.Delta(req_id="r1", text="text", token_ids=[5, 6], logprobs=[[5, -0.1, [[5, -0.1]], 1]], finish_reason="stop",
-            usage={"prompt_tokens": 3}),
+    p.Delta(req_id="r1", text="text", token_ids=[5, 6], logprobs=[[-0.1, [[5, -0.1]], 1], [-2.0, [[5, -0.1]], 3]],
+            finish_reason=FinishReason.STOP, usage={"prompt_tokens": 3}, token_texts=TokenTexts({5: "te", 6: "xt"})),
     p.DeltaBatch(deltas=[p.Delta(req_id="r1", text="a", token_ids=[5]),
-                         p.Delta(req_id="r2", text="", token_ids=[], finish_reason="length", usage={"prompt_tokens": 3},
-                                 prompt_ids=[1, 2]),
-                         p.Delta(req_id="r3", text="é", token_ids=[7], logprobs=[[7, -0.5, [], None]])]),
+                         p.Delta(req_id="r2", text="", token_ids=[], finish_reason=FinishReason.LENGTH,
+                                 usage={"prompt_tokens": 3}, prompt_ids=[1, 2]),
+                         p.Delta(req_id="r3", text="é", token_ids=[7], logprobs=[[-0.5, [], None]],
+                                 token_texts=TokenTexts({7: "é"}))]),
     p.DeltaBatch(deltas=[]),
     p.ErrorReply(req_id="r1", code="invalid_parameter", message="temperature: must be ≥ 0", param="temperature"),
     p.ErrorReply(req_id=None, code="bad_frame", message="not msgpack"),
-    p.AddRequest(req_id=7, prompt_ids=[1, 2, 3], params={"temperature": 0.5}),
+    p.AddRequest(req_id=7, prompt_ids=[1, 2, 3], params=SamplingParams(temperature=0.5).to_wire()),
     p.AbortRequest(req_id=7),
-    p.StepTokens(req_ids=[7, 8], token_ids=[11, 12], finish_reasons=[None, "length"], cached_tokens=[0, 16],
+    p.StepTokens(req_ids=[7, 8], token_ids=[11, 12], finish_reasons=[None, FinishReason.LENGTH], cached_tokens=[0, 16],
                  logprobs=[None, [-0.5, [[12, -0.5]], 1]]),
     p.StepTokens(req_ids=[7, 8], token_ids=[11, 12], finish_reasons=[None, None], cached_tokens=[0, 0],
                  prompt_logprobs=[PLPS, None]),
-    p.Delta(req_id="r1", text="a", token_ids=[5], prompt_ids=[1, 3], prompt_logprobs=PLPS),
-    p.Delta(req_id="r1", text="a", token_ids=[5], prompt_ids=[1], prompt_logprobs=pack([], 0)),
+    p.Delta(req_id="r1", text="a", token_ids=[5], prompt_ids=[1, 3], prompt_logprobs=PLPS, token_texts=TEXTS),
+    p.Delta(req_id="r1", text="a", token_ids=[5], prompt_ids=[1], prompt_logprobs=pack([], 0),
+            token_texts=TokenTexts({1: "a"})),
     p.Ready(replica=0, rank=1, info={"num_blocks": 10}),
     p.Heartbeat(replica=0, stats={"used_blocks": 3}),
     p.RequestFailed(req_id=7, message="boom"),
@@ -95,7 +99,7 @@ def test_prompt_logprobs_travel_packed():
     """A prompt's logprobs travel as [n, own, top_ids, top_logprobs, ranks]: float32 and uint32 little-endian
     bins, not msgpack lists, and decode to Logprobs with the prompt's ids (None first, top best first, the
     rank)."""
-    delta = p.Delta(req_id="r", text="", token_ids=[5], prompt_ids=[1, 3], prompt_logprobs=PLPS)
+    delta = p.Delta(req_id="r", text="", token_ids=[5], prompt_ids=[1, 3], prompt_logprobs=PLPS, token_texts=TEXTS)
     frame = msgpack.unpackb(p.encode(delta))
     assert frame["prompt_logprobs"] == [2, b"\x00\x00\x20\xc0", bytes([3, 0, 0, 0, 9, 0, 0, 0]),
                                         b"\x00\x00\x00\xbe\x00\x00\x40\xc0", bytes([2, 0, 0, 0])]
@@ -106,7 +110,8 @@ def test_prompt_logprobs_travel_packed():
 
 def _delta_frame(plps, prompt_ids=(1, 3)):
     return msgpack.packb({"v": V, "t": "Delta", "req_id": "r", "text": "", "token_ids": b"",
-                          "prompt_ids": packed.pack_ids(list(prompt_ids)), "prompt_logprobs": plps})
+                          "prompt_ids": packed.pack_ids(list(prompt_ids)), "prompt_logprobs": plps,
+                          "token_texts": [packed.pack_ids([1, 3, 9]), ["a", "é", "\ufffd"], None]})
 
 
 @pytest.mark.parametrize("plps", [
@@ -148,7 +153,8 @@ def test_step_tokens_keep_a_malformed_entry_for_the_router():
 
 def test_token_ids_are_packed():
     """Token ids travel as a packed uint32 array: 4 bytes each, not a msgpack list."""
-    frame = msgpack.unpackb(p.encode(p.AddRequest(req_id=1, prompt_ids=list(range(1000)))))
+    frame = msgpack.unpackb(p.encode(p.AddRequest(req_id=1, prompt_ids=list(range(1000)),
+                                                  params=SamplingParams().to_wire())))
     assert isinstance(frame["prompt_ids"], bytes) and len(frame["prompt_ids"]) == 4000
 
 
@@ -228,3 +234,51 @@ def test_random_bytes_never_escape_as_other_errors(data):
         p.decode(data)
     except p.ProtocolError:
         pass
+
+
+def test_finish_reasons_decode_into_the_enum_and_an_unknown_one_is_refused():
+    """A finish reason travels as its string and decodes into the FinishReason (a Delta's and each of a
+    StepTokens'), which is still that string (==, hash, str, format, JSON); an unknown one is a bad frame."""
+    for r in FinishReason:
+        d = p.decode(p.encode(p.Delta(req_id="r", text="", finish_reason=r)))
+        assert d.finish_reason is r and d.finish_reason == r.value and r.value in {d.finish_reason}
+        assert str(r) == f"{r}" == r.value and msgpack.unpackb(p.encode(d))["finish_reason"] == r.value
+    st = p.decode(p.encode(p.StepTokens(req_ids=[1, 2], token_ids=[3, 4], finish_reasons=["stop", None],
+                                        cached_tokens=[0, 0])))
+    assert st.finish_reasons == [FinishReason.STOP, None] and st.finish_reasons[0] is FinishReason.STOP
+    with pytest.raises(p.ProtocolError, match="'done' is not a finish reason"):
+        p.decode(msgpack.packb({"v": V, "t": "Delta", "req_id": "r", "text": "", "finish_reason": "done"}))
+    step = {"v": V, "t": "StepTokens", "req_ids": [1, 2], "token_ids": packed.pack_ids([3, 4]), "cached_tokens": [0, 0]}
+    for bad in (["stop", "STOP"], [None, 5], [["stop"], None], "stop"):
+        with pytest.raises(p.ProtocolError, match="finish_reasons"):
+            p.decode(msgpack.packb({**step, "finish_reasons": bad}))
+
+
+def test_a_deltas_logprobs_come_with_the_texts_of_the_tokens_they_name():
+    """A Delta's logprobs are one wire form per token (Logprob.to_wire, the id in token_ids) and its
+    token_texts travel as [packed ids, texts, bytes where not the text's UTF-8]; they decode into Logprobs whose
+    texts and bytes are the router's. Logprobs without texts, or not one per token, are a bad frame."""
+    lp = Logprob(5, -0.25, [(5, -0.25), (9, -2.0)], 1)
+    texts = TokenTexts({5: "é", 9: "\ufffd"}, {9: b"\xc3"})
+    frame = msgpack.unpackb(p.encode(p.Delta(req_id="r", text="é", token_ids=[5], logprobs=[lp.to_wire()],
+                                             token_texts=texts)))
+    assert frame["logprobs"] == [[-0.25, [[5, -0.25], [9, -2.0]], 1]]
+    assert frame["token_texts"] == [packed.pack_ids([5, 9]), ["é", "\ufffd"], [None, b"\xc3"]]
+    d = p.decode(p.encode(p.Delta(req_id="r", text="é", token_ids=[5], logprobs=[lp.to_wire()], token_texts=texts)))
+    [got] = [Logprob.from_wire(t, x, d.token_texts) for t, x in zip(d.token_ids, d.logprobs)]
+    assert got == lp and (got.text, got.token_bytes) == ("é", "é".encode())
+    assert (got.top_texts, got.top_bytes) == (["é", "\ufffd"], ["é".encode(), b"\xc3"])
+    d = p.decode(p.encode(p.Delta(req_id="r", text="", token_ids=[5], prompt_ids=[1, 3], prompt_logprobs=PLPS,
+                                  token_texts=TEXTS)))
+    [none, first] = d.prompt_logprobs.to_logprobs(d.prompt_ids, d.token_texts)
+    assert none is None and (first.text, first.top_texts, first.top_bytes) == ("é", ["é", "\ufffd"],
+                                                                                ["é".encode(), b"\xe4"])
+    base = {"v": V, "t": "Delta", "req_id": "r", "text": "", "token_ids": packed.pack_ids([5])}
+    with pytest.raises(p.ProtocolError, match="token_texts"):
+        p.decode(msgpack.packb({**base, "logprobs": [[-0.25, [], 1]]}))
+    with pytest.raises(p.ProtocolError, match="parallel"):
+        p.decode(msgpack.packb({**base, "logprobs": [[-0.25, [], 1]] * 2, "token_texts": frame["token_texts"]}))
+    for bad in ([packed.pack_ids([5]), ["a", "b"], None], [packed.pack_ids([5]), [5], None], [b"abc", ["a"], None],
+                [packed.pack_ids([5]), ["a"], ["a"]], [packed.pack_ids([5]), ["a"], []], {"5": "a"}, [1, 2]):
+        with pytest.raises(p.ProtocolError, match="token_texts"):
+            p.decode(msgpack.packb({**base, "token_texts": bad}))

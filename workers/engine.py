@@ -2,8 +2,9 @@
 at a time.
 
 Not thread-safe: one thread, the one that runs its EngineLoop (engine_loop.py: the local pipeline's engine
-thread, or a worker process's main thread), owns it. `check_request` is pure and may be called from any thread,
-before a request is handed over.
+thread, or a worker process's main thread), owns it. It takes the requests it is handed as they are: the
+router checked them against the limits its replicas report (`limits`), and the local pipeline, which has no
+router, with `check_request`, which is pure and may be called from any thread.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from mii_async.config import EngineConfig
+from mii_async.outputs import FinishReason, Logprob
 from mii_async.params import SamplingParams
 from mii_async.protocol import PromptLogprobs
 from mii_async.request_limits import RequestLimits
@@ -27,16 +29,17 @@ from .model.parallel import TPGroup
 from .sampling.guide_compiler import GuideCompiler
 from .sampling.guides import GuidedRequests
 from .sampling.prompt_logprobs import PendingScores, launch_scores, packed, read_scores
-from .sampling.sampler import PendingSample, TokenLogprobs
+from .sampling.sampler import PendingSample
 
 log = logging.getLogger("mii_async.workers.engine")
+_STOP, _LENGTH = FinishReason.STOP, FinishReason.LENGTH   # module constants: read per sampled token
 
 
 class EngineOutput(NamedTuple):
     req_id: int
     token_id: int                       # the token sampled this step
-    logprobs: TokenLogprobs | None
-    finish_reason: str | None           # "stop" (EOS / stop id) | "length" | None while running
+    logprobs: Logprob | None            # when its request asked (no texts: the engine has no tokenizer)
+    finish_reason: FinishReason | None  # STOP (EOS / stop id) | LENGTH | None while running
     cached_tokens: int                  # prompt tokens this request took from the prefix cache
     # params.prompt_logprobs: on a request's first token only, packed as they travel (positions 1 … L−1)
     prompt_logprobs: PromptLogprobs | None = None
@@ -94,8 +97,12 @@ class Engine:
         self.limits.check(prompt_ids, params)
 
     def add_request(self, req_id: int, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queues a request its driver checked (`check_request`, or the router against `limits`)."""
         assert req_id not in self.seqs, f"request id {req_id} is already live"
-        self.check_request(prompt_ids, params)
+        # what the scheduler needs to finish it: it fits the pool whole (else it could wait forever)
+        assert 0 < len(prompt_ids) and len(prompt_ids) + params.max_new_tokens <= self.max_request_tokens, \
+            f"request {req_id} of {len(prompt_ids)} + {params.max_new_tokens} tokens was not checked against " \
+            f"the limits ({self.max_request_tokens} tokens)"
         seq = Sequence(req_id, list(prompt_ids), params, arrival=next(self._arrivals))
         seq.max_tokens = min(seq.max_tokens, self.max_model_len)
         if params.guide is not None:
@@ -257,13 +264,13 @@ class Engine:
             seq.num_pending -= 1
             p, n = seq.params, at + 1
             if n >= p.min_new_tokens and (tok in p.stop_token_ids or (not p.ignore_eos and tok in eos)):
-                reason: str | None = "stop"
+                reason: FinishReason | None = _STOP
             elif len(seq.prompt_ids) + n >= seq.max_tokens:
-                reason = "length"
+                reason = _LENGTH
             else:
                 reason = None
             if seq.guide is not None and reason is None and (tok in eos or not seq.guide.advance(tok)):
-                reason = "stop"              # a guide's mask allows an end id only once the output is complete
+                reason = _STOP               # a guide's mask allows an end id only once the output is complete
                 if tok not in eos:
                     log.warning("request %d: token %d is outside its guide; ended", seq.req_id, tok)
             if reason is not None:

@@ -8,8 +8,9 @@ owns the engine. One bad request is answered with a RequestEnded("error") and ne
 that fails ends every live request with an error, and the loop goes on serving.
 
 Per request, the outputs are its tokens (in Tokens) until one carries a finish_reason, or until a
-RequestEnded ("abort" after an Abort or a Stop, "error"): either way it is then gone from the engine. Every output goes out as soon as it
-exists: with async scheduling a step's tokens are handed to `out` during the next step's launch.
+RequestEnded ("abort" after an Abort or a Stop, "error"): either way it is then gone from the engine. Every
+output goes out as soon as it exists: with async scheduling a step's tokens are handed to `out` during the
+next step's launch.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from mii_async.outputs import FinishReason
 from mii_async.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -30,7 +32,8 @@ log = logging.getLogger("mii_async.workers.engine_loop")
 # -- commands (driver → loop) --------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class AddRequest:
-    """Queue a request. The driver has its params decoded; the engine still checks them against its limits."""
+    """Queue a request. The driver has checked it (the router against its replicas' limits, the local pipeline
+    against its engine's); the engine takes it as it is."""
     req_id: int                         # the driver's id, unique among live requests
     prompt_ids: list[int]
     params: SamplingParams
@@ -69,7 +72,7 @@ class Tokens:
 class RequestEnded:
     """A request ended without a token: it holds nothing in the engine any more."""
     req_id: int
-    reason: str                         # "abort" (Abort, Stop) | "error" (refused, a failed step, a guide)
+    reason: FinishReason                # ABORT (Abort, Stop) | ERROR (refused, a failed step, a guide)
     message: str | None = None
     param: str | None = None            # the caller's value at fault, when it can never work (a guide)
 
@@ -122,10 +125,10 @@ class EngineLoop:
                     raise ValueError(f"request {cmd.req_id} is already live")
                 eng.add_request(cmd.req_id, cmd.prompt_ids, cmd.params)
             except Exception as exc:  # noqa: BLE001 - one bad request is answered, never stops the loop
-                self.out(RequestEnded(cmd.req_id, "error", f"{type(exc).__name__}: {exc}"))
+                self.out(RequestEnded(cmd.req_id, FinishReason.ERROR, f"{type(exc).__name__}: {exc}"))
         elif isinstance(cmd, Abort):
             if eng.abort(cmd.req_id):
-                self.out(RequestEnded(cmd.req_id, "abort"))
+                self.out(RequestEnded(cmd.req_id, FinishReason.ABORT))
         elif isinstance(cmd, QueryStats):
             forgotten = eng.reset_prefix_cache() if cmd.reset_prefix_cache else None
             self.out(Stats(cmd.tag, eng.stats(), forgotten))
@@ -148,11 +151,11 @@ class EngineLoop:
                 raise
             for req_id in list(eng.seqs):
                 eng.abort(req_id)
-                self.out(RequestEnded(req_id, "error", f"engine step failed: {type(exc).__name__}: {exc}"))
+                self.out(RequestEnded(req_id, FinishReason.ERROR, f"engine step failed: {type(exc).__name__}: {exc}"))
             return
         finally:
             for req_id, why, param in eng.take_failed():     # e.g. a guide this model's vocabulary cannot follow
-                self.out(RequestEnded(req_id, "error", why, param))
+                self.out(RequestEnded(req_id, FinishReason.ERROR, why, param))
         if self.stats_refresh_s is not None and (now := time.monotonic()) - self._stats_at > self.stats_refresh_s:
             self._stats_at = now
             self.out(Stats(None, eng.stats()))
@@ -172,4 +175,4 @@ class EngineLoop:
             log.exception("reading the step in flight failed")
         for req_id in list(eng.seqs):
             eng.abort(req_id)
-            self.out(RequestEnded(req_id, "abort", why))
+            self.out(RequestEnded(req_id, FinishReason.ABORT, why))

@@ -28,6 +28,7 @@ import zmq
 from mii_async import protocol as P
 from mii_async.config import EngineConfig
 from mii_async.errors import error_code
+from mii_async.outputs import FinishReason
 from mii_async.params import SamplingParams
 from mii_async.transport import SyncDealerSocket
 
@@ -158,13 +159,8 @@ class Worker:
             if msg is None:
                 return None
             timeout = 0.0                             # a message that is no command: only what is there
-            if isinstance(msg, P.AddRequest):
-                try:
-                    params = SamplingParams.from_kwargs(**msg.params)
-                except Exception as exc:  # noqa: BLE001 - one bad request is answered, never stops the loop
-                    self.sock.send(P.RequestFailed(req_id=msg.req_id, message=f"{type(exc).__name__}: {exc}"))
-                    continue
-                return AddRequest(msg.req_id, msg.prompt_ids, params)
+            if isinstance(msg, P.AddRequest):       # checked by the router: taken as they are
+                return AddRequest(msg.req_id, msg.prompt_ids, SamplingParams.from_wire(msg.params, trusted=True))
             if isinstance(msg, P.AbortRequest):
                 return Abort(msg.req_id)
             if isinstance(msg, P.StatsQuery):
@@ -182,7 +178,7 @@ class Worker:
         if isinstance(out, Tokens):
             self._send_tokens(out.outputs)
         elif isinstance(out, RequestEnded):
-            if out.reason == "error":                 # (the router ended the aborted ones itself)
+            if out.reason == FinishReason.ERROR:      # (the router ended the aborted ones itself)
                 self.sock.send(P.RequestFailed(req_id=out.req_id, message=out.message or "", param=out.param))
         elif isinstance(out, Stats):
             self.stats = out.stats                    # for the heartbeats
@@ -212,8 +208,7 @@ class Worker:
         self._send_step(group, True)
 
     def _send_step(self, outputs: list[EngineOutput], prompt_lps: bool) -> None:
-        lps = [None if (lp := o.logprobs) is None else [lp.logprob, [list(t) for t in lp.top], lp.rank]
-               for o in outputs]
+        lps = [None if (lp := o.logprobs) is None else lp.to_wire() for o in outputs]
         plps = None                                   # packed as the engine gave them: sent as they are
         if prompt_lps:
             plps = [o.prompt_logprobs for o in outputs]

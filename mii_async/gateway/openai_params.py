@@ -3,24 +3,24 @@
 Every refusal is a 400 naming the parameter as the caller spelled it. Names differ in two places, mapped back
 in errors: max_tokens (ours: max_new_tokens) and min_tokens (ours: min_new_tokens).
 
-A chat with tools (or whose history holds tool calls) is rendered here, not by the router: its prompt travels
-as token ids (tool_prompt.py), and required / named calls as a guided_json schema (tool_mode.py).
+A chat travels as its messages, with the tools its prompt shows: the router renders and tokenizes it
+(text/chat_tools.py), and fits a chat without max_tokens to the room its prompt leaves; required / named calls
+travel as a guided_json schema (tool_mode.py).
 """
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
 from ..errors import InvalidParameterError
 from ..guided import GUIDED_FIELDS
 from ..params import MAX_LOGPROBS, SamplingParams
+from ..text.chat_tools import has_tool_calls
 from .http_errors import bad_request
 from .openai_schemas import ChatCompletionRequest, CompletionRequest, _Common
-from .state import GatewayState
+from .state import CHAT_MAX_TOKENS_CAP, GatewayState
 from .streams import Job
 from .tool_mode import ToolMode, tool_mode
-from .tool_prompt import encode_chat, has_tool_calls, markers_are_special
 
 MAX_N = 16
 MAX_CHOICES = 1024       # prompts × n of one request: each is an engine request
@@ -101,7 +101,10 @@ def chat_rename(body: ChatCompletionRequest) -> dict[str, str]:
     return CHAT_RENAME
 
 
-def _jobs(prompts: list[Any], params: dict[str, Any], n: int, rename: dict[str, str] = RENAME) -> list[Job]:
+def _jobs(prompts: list[Any], params: dict[str, Any], n: int, rename: dict[str, str] = RENAME,
+          options: dict[str, Any] | None = None) -> list[Job]:
+    """One Job per prompt and choice. `options`: client.stream's keywords beside the sampling parameters (a
+    chat's tools, parallel_tool_calls, fit_context), the same for every job."""
     try:
         SamplingParams.from_kwargs(**params)
     except InvalidParameterError as exc:
@@ -123,7 +126,7 @@ def _jobs(prompts: list[Any], params: dict[str, Any], n: int, rename: dict[str, 
                 # (openai_routes._PromptParts), streamed too: open_streams has every choice's first chunk before
                 # anything is answered.
                 p.pop("prompt_logprobs", None)
-            jobs.append(Job(i * n + j, i, prompt, p))
+            jobs.append(Job(i * n + j, i, prompt, {**p, **(options or {})}))
     return jobs
 
 
@@ -230,7 +233,7 @@ def _tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
 
 
 def plain_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """The messages as the router takes them: role and content."""
+    """The messages of a chat without tools or calls, as its template gets them: role and content only."""
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
@@ -264,30 +267,31 @@ async def chat_plan(body: ChatCompletionRequest, state: GatewayState) -> tuple[l
         if (schema := mode.guided_json()) is not None:
             params["guided_json"] = schema
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    options: dict[str, Any] = {}
     if (mode is not None and mode.choice != "none") or has_tool_calls(messages):
-        prompt: Any = await _tool_prompt(state, messages, mode)
-        if mode is not None and mode.choice == "auto" and body.skip_special_tokens is None \
-                and markers_are_special(state.tokenizer):
-            params["skip_special_tokens"] = False
-        params["max_new_tokens"] = max_tokens if max_tokens is not None else await state.room_after(len(prompt))
+        # The router renders the tools and the history's calls (text/chat_tools.py). Under auto the client asks
+        # it to keep the <tool_call> markers that tool_parser.py reads, where the tokenizer holds them as
+        # special tokens, unless the caller named skip_special_tokens.
+        prompt: Any = messages
+        if mode is not None:
+            options.update(tools=mode.shown, parallel_tool_calls=mode.parallel)
+        await state.check_size(messages, mode.tools if mode is not None else None)
     else:
         prompt = plain_messages(messages)
-        params["max_new_tokens"] = max_tokens if max_tokens is not None else await state.room_for(prompt)
+        if max_tokens is None:
+            await state.check_size(prompt)
+    if max_tokens is None:
+        # As OpenAI and vLLM: what the context (and the KV pool) leaves after the prompt, which the router
+        # counts once it has the ids, up to CHAT_MAX_TOKENS_CAP.
+        params["max_new_tokens"], options["fit_context"] = CHAT_MAX_TOKENS_CAP, True
+    else:
+        params["max_new_tokens"] = max_tokens
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs", "top_logprobs needs logprobs: true")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
         raise bad_request("top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}")
     if body.logprobs:
         params["logprobs"] = body.top_logprobs or 0
-    return _jobs([prompt], params, n, chat_rename(body)), (mode if mode is not None and mode.choice != "none" else None)
+    return (_jobs([prompt], params, n, chat_rename(body), options),
+            mode if mode is not None and mode.choice != "none" else None)
 
-
-async def _tool_prompt(state: GatewayState, messages: list[dict[str, Any]], mode: ToolMode | None) -> list[int]:
-    """The prompt's token ids, rendered here with the tools and the history's calls (tool_prompt.py), once for
-    all choices, off the event loop; the router takes the ids as they are."""
-    if state.tokenizer is None:
-        raise bad_request("tools" if mode is not None else "messages",
-                          "tool calling needs the model's tokenizer on the gateway's host (the router's model "
-                          "directory is not here)")
-    await state.check_size(messages, mode.tools if mode is not None else None)
-    return await asyncio.get_running_loop().run_in_executor(None, encode_chat, state.tokenizer, messages, mode)

@@ -12,7 +12,8 @@ first in the choice's logprobs, the first one's logprob and top null (streamed: 
 echoed text); vLLM's `prompt_logprobs: n` (either route, not streamed) adds vLLM's `prompt_logprobs` list —
 per choice on completions, once for the response on chat. Of the n choices of a prompt only the first asks the
 engine for them (such a request skips the prefix cache); every choice's answer shows that one result, rendered
-once per prompt (_PromptParts).
+once per prompt (_PromptParts). The tokens' texts and bytes come with the chunks (the router decodes them): the
+gateway decodes no token id for logprobs.
 
 Tool calls (chat with `tools`): each choice's answer is read under the request's ToolMode (tool_answer.py) into
 `message.tool_calls`, whole or as `tool_calls` deltas; the choice's other chunks are as without tools.
@@ -28,7 +29,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from ..errors import GenerationError, MIIAsyncError
-from ..outputs import Logprob, StreamChunk
+from ..outputs import Logprob, StreamChunk, TokenTexts
 from .http_errors import HTTPError, from_exception
 from .openai_params import CHAT_RENAME, RENAME, chat_plan, chat_rename, completion_jobs
 from .openai_schemas import ChatCompletionRequest, CompletionRequest
@@ -132,7 +133,7 @@ async def _answer(s: GatewayState, request: Request, api: str, jobs: list[Job], 
             if tools is not None:
                 message, finish = tool_message(tools, text, finish)
             choices.append({"index": o.job.index, "message": message,
-                            "logprobs": _chat_logprobs(s, lps) if want_lp else None, "finish_reason": finish})
+                            "logprobs": _chat_logprobs(lps) if want_lp else None, "finish_reason": finish})
             if body.prompt_logprobs is not None and answer.get("prompt_logprobs") is None:
                 # vLLM's place: once for the response, whose choices share the prompt
                 answer["prompt_logprobs"] = parts.vllm(o.job, body.prompt_logprobs)
@@ -142,9 +143,9 @@ async def _answer(s: GatewayState, request: Request, api: str, jobs: list[Job], 
                 text = parts.text(o.job) + text
                 if want_lp:
                     logprobs = {k: list(v) for k, v in parts.echo(o.job, body.logprobs).items()}  # extended below
-                    _extend(logprobs, _text_logprobs(s, lps, _end_offset(logprobs)))
+                    _extend(logprobs, _text_logprobs(lps, _end_offset(logprobs)))
             elif want_lp:
-                logprobs = _text_logprobs(s, lps, 0)
+                logprobs = _text_logprobs(lps, 0)
             choice = {"index": o.job.index, "text": text, "logprobs": logprobs, "finish_reason": last.finish_reason}
             if body.prompt_logprobs is not None:        # vLLM's place: per choice (the prompt's one list, shared)
                 choice["prompt_logprobs"] = parts.vllm(o.job, body.prompt_logprobs)
@@ -197,15 +198,15 @@ async def _events(s: GatewayState, opened: list[Opened], meta: dict, chat: bool,
             want_lp = job.params.get("logprobs") is not None and c.logprobs
             if answers:
                 for choice in stream_choices(answers[job.index], job.index, c.text, c.finish_reason,
-                                             _chat_logprobs(s, c.logprobs) if want_lp else None):
+                                             _chat_logprobs(c.logprobs) if want_lp else None):
                     yield chunk(choice)
             elif chat:
                 delta = {"content": c.text} if c.text or c.finish_reason is None else {}
                 yield chunk({"index": job.index, "delta": delta,
-                             "logprobs": _chat_logprobs(s, c.logprobs) if want_lp else None,
+                             "logprobs": _chat_logprobs(c.logprobs) if want_lp else None,
                              "finish_reason": c.finish_reason})
             else:
-                lp = _text_logprobs(s, c.logprobs, offsets[job.index]) if want_lp else None
+                lp = _text_logprobs(c.logprobs, offsets[job.index]) if want_lp else None
                 offsets[job.index] += len(c.text)
                 yield chunk({"index": job.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
             if c.finish_reason is not None:
@@ -286,10 +287,10 @@ class _PromptParts:
         return self._once(("text", job.prompt_index), lambda: _prompt_text(self.s, job.prompt))
 
     def echo(self, job: Job, n: int) -> dict:
-        return self._once(("echo", job.prompt_index, n), lambda: _echo_logprobs(self.s, self._first(job), n))
+        return self._once(("echo", job.prompt_index, n), lambda: _echo_logprobs(self._first(job), n))
 
     def vllm(self, job: Job, n: int) -> list | None:
-        return self._once(("vllm", job.prompt_index, n), lambda: _vllm_prompt_logprobs(self.s, self._first(job), n))
+        return self._once(("vllm", job.prompt_index, n), lambda: _vllm_prompt_logprobs(self._first(job), n))
 
 
 def _prompt_text(s: GatewayState, prompt: Any) -> str:
@@ -298,38 +299,43 @@ def _prompt_text(s: GatewayState, prompt: Any) -> str:
     return s.tokenizer.decode(prompt) if s.tokenizer is not None else ""
 
 
-def _text_logprobs(s: GatewayState, lps: list[Logprob | None], offset: int, ids: list[int] | None = None,
-                   n: int | None = None) -> dict:
+def _text_logprobs(lps: list[Logprob | None], offset: int, ids: list[int] | None = None,
+                   texts: TokenTexts | None = None, n: int | None = None) -> dict:
     """The completions API's logprobs: tokens, token_logprobs, top_logprobs, text_offset (each token's start,
     counted from `offset` over the tokens' texts, as vLLM does). An entry without a logprob (a prompt's first
     token) is null in token_logprobs and top_logprobs; its id comes from `ids` (the ids of every entry, when
-    given). `n` cuts the top lists (a prompt's may hold more than the completion's logprobs asked)."""
+    given, with `texts`, their chunk's). `n` cuts the top lists (a prompt's may hold more than the completion's
+    logprobs asked)."""
     if ids is None:
-        ids = [lp.token_id for lp in lps]
-    tokens = [s.token_text(i) for i in ids]
+        tokens = [lp.text for lp in lps]
+    else:
+        assert texts is not None, "a prompt's ids come with their chunk's token_texts"
+        tokens = [texts.text(i) for i in ids]
     offsets, pos = [], offset
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
     return {"tokens": tokens, "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
-            "top_logprobs": [None if lp is None else _top(s, lp, t, n) for lp, t in zip(lps, tokens)],
+            "top_logprobs": [None if lp is None else _top(lp, t, n) for lp, t in zip(lps, tokens)],
             "text_offset": offsets}
 
 
-def _top(s: GatewayState, lp: Logprob, token: str, n: int | None) -> dict[str, float]:
+def _top(lp: Logprob, token: str, n: int | None) -> dict[str, float]:
     """A token's top_logprobs entry: the top n, and the token itself if it is not among them (as OpenAI and
     vLLM: up to logprobs + 1 entries, so logprobs=0 still gives the chosen token's)."""
-    top = {s.token_text(i): v for i, v in lp.top[:n]}
+    assert lp.token_texts is not None, "a chunk's logprobs come with their texts"
+    text = lp.token_texts.text
+    top = {text(i): v for i, v in lp.top[:n]}
     top.setdefault(token, lp.logprob)
     return top
 
 
-def _echo_logprobs(s: GatewayState, first: StreamChunk | None, n: int) -> dict:
+def _echo_logprobs(first: StreamChunk | None, n: int) -> dict:
     """The echoed prompt's part of a choice's logprobs, from the stream's first chunk (OpenAI's echo with
     logprobs: the first prompt token has null logprobs); empty if the request ended before its first token."""
     if first is None or first.prompt_logprobs is None or first.prompt_token_ids is None:
-        return _text_logprobs(s, [], 0)
-    return _text_logprobs(s, first.prompt_logprobs, 0, first.prompt_token_ids, n)
+        return _text_logprobs([], 0)
+    return _text_logprobs(first.prompt_logprobs, 0, first.prompt_token_ids, first.token_texts, n)
 
 
 def _end_offset(lp: dict) -> int:
@@ -342,7 +348,7 @@ def _extend(lp: dict, more: dict) -> None:
         lp[key].extend(more[key])
 
 
-def _vllm_prompt_logprobs(s: GatewayState, first: StreamChunk | None, n: int) -> list | None:
+def _vllm_prompt_logprobs(first: StreamChunk | None, n: int) -> list | None:
     """vLLM's prompt_logprobs, from the stream's first chunk: null for the first prompt token, then per token
     {id: {"logprob", "rank", "decoded_token"}} for the token itself and the top n (ids as JSON keys are
     strings). The top n's ranks are 1…n; the prompt token's is its rank in the whole vocabulary (the engine
@@ -351,20 +357,27 @@ def _vllm_prompt_logprobs(s: GatewayState, first: StreamChunk | None, n: int) ->
     if first is None or first.prompt_logprobs is None:
         return None
     out: list[dict | None] = [None]
+    assert first.token_texts is not None, "prompt logprobs come with their texts"
+    text = first.token_texts.text
     for lp in first.prompt_logprobs[1:]:
         tid = lp.token_id
         top = lp.top[:n]
         rank = lp.rank if lp.rank is not None else next((r for r, (i, _) in enumerate(top, 1) if i == tid), None)
-        entry = {str(tid): {"logprob": lp.logprob, "rank": rank, "decoded_token": s.token_text(tid)}}
+        entry = {str(tid): {"logprob": lp.logprob, "rank": rank, "decoded_token": text(tid)}}
         for r, (i, v) in enumerate(top, 1):
-            entry[str(i)] = {"logprob": v, "rank": r, "decoded_token": s.token_text(i)}
+            entry[str(i)] = {"logprob": v, "rank": r, "decoded_token": text(i)}
         out.append(entry)
     return out
 
 
-def _chat_logprobs(s: GatewayState, lps: list[Logprob]) -> dict:
-    def entry(token_id: int, logprob: float) -> dict:
-        return {"token": s.token_text(token_id), "logprob": logprob, "bytes": list(s.token_bytes(token_id))}
+def _chat_logprobs(lps: list[Logprob]) -> dict:
+    """Chat's logprobs: per token its text, logprob and bytes, and its top alternatives alike."""
+    def entry(texts: TokenTexts, token_id: int, logprob: float) -> dict:
+        return {"token": texts.text(token_id), "logprob": logprob, "bytes": list(texts.token_bytes(token_id))}
 
-    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
-                        for lp in lps]}
+    content = []
+    for lp in lps:
+        t = lp.token_texts
+        assert t is not None, "a chunk's logprobs come with their texts"
+        content.append({**entry(t, lp.token_id, lp.logprob), "top_logprobs": [entry(t, i, v) for i, v in lp.top]})
+    return {"content": content}

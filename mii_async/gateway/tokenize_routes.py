@@ -1,8 +1,8 @@
 """POST /tokenize and POST /detokenize, with vLLM's bodies: a prompt (text, or chat messages through the chat
-template) as the router encodes it for /v1/completions and /v1/chat/completions, and token ids back to text. For
-clients that count tokens without a tokenizer of their own: a chat page trimming its history to the context, a
-job service splitting documents. The gateway's own copy of the model's tokenizer does the work, off the event
-loop."""
+template, with the tools it shows) as the router encodes it for /v1/completions and /v1/chat/completions (the
+same text layer: text/prompts.py), and token ids back to text. For clients that count tokens without a tokenizer
+of their own: a chat page trimming its history to the context, a job service splitting documents. The gateway's
+own copy of the model's tokenizer does the work, off the event loop: these are the routes it is loaded for."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
 from ..errors import InvalidParameterError
+from ..text.chat_tools import has_tool_calls
 from ..text.prompts import PromptEncoder
 from .http_errors import HTTPError, bad_request
 from .openai_params import chat_messages, plain_messages
@@ -19,7 +20,6 @@ from .openai_routes import check_model
 from .state import GatewayState
 from .text_route import CheckedRoute
 from .tool_mode import tool_mode
-from .tool_prompt import has_tool_calls, render_chat
 
 router = APIRouter(route_class=CheckedRoute)
 
@@ -69,10 +69,11 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
         agp = bool(body.add_generation_prompt)
 
         def encode() -> list[int]:
-            if mode is not None or has_tool_calls(messages):      # as chat renders tools and tool calls
-                text = render_chat(tok, messages, mode, add_generation_prompt=agp)
+            if mode is not None or has_tool_calls(messages):      # as chat sends tools and tool calls
+                text = encoder.render(messages, mode.shown if mode is not None else None,
+                                      add_generation_prompt=agp)
             else:
-                text = encoder.apply_chat_template(plain_messages(messages), add_generation_prompt=agp)
+                text = encoder.render(plain_messages(messages), add_generation_prompt=agp)
             return list(tok(text, add_special_tokens=special)["input_ids"])
     else:
         prompt, special = body.prompt, body.add_special_tokens is not False

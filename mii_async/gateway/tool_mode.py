@@ -19,9 +19,9 @@ from typing import Any, NamedTuple
 from ..errors import InvalidParameterError
 from ..guided import SCHEMA_MAP_KEYS, SCHEMA_VALUE_KEYS
 from ..params import SamplingParams
+from ..text.chat_tools import MAX_TOOLS
 from .http_errors import bad_request
 
-MAX_TOOLS = 128                                   # OpenAI's limit
 NAME_RE = re.compile(r"[a-zA-Z0-9_-]{1,64}")      # OpenAI's pattern for a function's name
 CHOICES = ("none", "auto", "required")
 NO_PARAMETERS = {"type": "object", "properties": {}}   # a function that declares none takes {} (OpenAI's reading)
@@ -34,6 +34,11 @@ class ToolMode(NamedTuple):
     choice: str                     # none | auto | required | named
     name: str | None                # the named function (choice "named")
     parallel: bool                  # more than one call per answer allowed
+
+    @property
+    def shown(self) -> list[dict[str, Any]] | None:
+        """The tools the prompt shows (the router renders them: text/chat_tools.py); none under choice none."""
+        return None if self.choice == "none" else self.tools
 
     @property
     def names(self) -> frozenset[str]:

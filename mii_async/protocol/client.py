@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..outputs import FinishReason, TokenTexts
 from ..packed import PromptLogprobs
-from .codec import IDS, PROMPT_LOGPROBS, list_of, message
+from .codec import IDS, PROMPT_LOGPROBS, TOKEN_TEXTS, list_of, message
 
 
 @message
@@ -20,7 +21,20 @@ class Generate:
     prompt: str | None = None                      # text, or None when prompt_ids / messages are given
     prompt_ids: list[int] | None = field(default=None, metadata=IDS)   # token ids, used as they are
     messages: list[dict] | None = None             # chat messages, through the model's chat template
-    params: dict = field(default_factory=dict)     # SamplingParams fields; validated by the router
+    params: dict = field(default_factory=dict)     # SamplingParams.to_wire() (the client checked them); the
+                                                   # router checks them again (from_wire); {}: the defaults
+    tools: list[dict] | None = None                # with messages: the functions the prompt shows, each
+                                                   # {"type": "function", "function": {"name", "description",
+                                                   # "parameters"}}; the router renders them with the chat
+                                                   # (text/chat_tools.py); None: none shown
+    parallel_tool_calls: bool = True               # with tools: the prompt allows several calls per answer
+                                                   # (else at most one, where our own tool section shows them)
+    keep_tool_markers: bool = False                # the answer is read for <tool_call> blocks: where the
+                                                   # tokenizer holds those markers as special tokens, the router
+                                                   # keeps special tokens in the text (skip_special_tokens false)
+    fit_context: bool = False                      # params' max_new_tokens is a ceiling: the router lowers it to
+                                                   # the room the prompt leaves in the context and the KV pool
+                                                   # (the gateway's default for a chat without max_tokens)
 
 
 @message
@@ -37,15 +51,20 @@ class Delta:
     req_id: str                                    # the Generate's
     text: str                                      # UTF-8 safe, never a partial stop string
     token_ids: list[int] = field(default_factory=list, metadata=IDS)   # the ids sampled since the last Delta
-    logprobs: list | None = None                   # per token: [token_id, logprob, [[id, logprob], …], rank]
-                                                   # (natural log), when the request asked for logprobs
-    finish_reason: str | None = None               # "stop" | "length" | "abort" | "error"
+    logprobs: list | None = None                   # parallel to token_ids, when the request asked for
+                                                   # logprobs: Logprob.to_wire() ([logprob, [[id, logprob], …],
+                                                   # rank], natural log)
+    finish_reason: FinishReason | None = None      # on the last Delta
     usage: dict | None = None                      # prompt_tokens, completion_tokens, cached_tokens
     error: str | None = None                       # with finish_reason "error"
     prompt_ids: list[int] | None = field(default=None, metadata=IDS)   # first delta only: the prompt's ids
     prompt_logprobs: PromptLogprobs | None = field(default=None, metadata=PROMPT_LOGPROBS)   # when asked, on the
                                                    # delta of the first sampled token (which has prompt_ids):
                                                    # one position per prompt token after the first
+    token_texts: TokenTexts | None = field(default=None, metadata=TOKEN_TEXTS)   # with logprobs or prompt
+                                                   # logprobs: the text (and bytes) of every id they name, and
+                                                   # of the prompt's ids with prompt logprobs; the router decodes
+                                                   # them, so that no client needs the tokenizer
 
 
 @message

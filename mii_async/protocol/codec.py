@@ -2,11 +2,12 @@
 
 A frame is a msgpack map {"v": PROTOCOL_VERSION, "t": <message name>, <fields>}. Token-id lists travel as
 packed little-endian uint32 arrays (msgpack bin), not as lists of ints, and a prompt's logprobs as packed
-arrays too (PromptLogprobs); a list of messages (DeltaBatch) as a list of such maps without "v" and "t". Never
-pickle. `decode` checks the version, the type, that every field is present and of its declared type, and
-msgpack's own length limits; anything else raises ProtocolError, which the receiver counts and answers
-without stopping. Each message type's field checks are built once, when `message` registers it: decoding runs
-on every token's path (router, gateway, client).
+arrays too (PromptLogprobs); a list of messages (DeltaBatch) as a list of such maps without "v" and "t"; a
+finish reason as its string, decoded into the FinishReason (an unknown one is refused); the texts of tokens
+(TokenTexts) as [packed ids, texts, bytes or None]. Never pickle. `decode` checks the version, the type, that
+every field is present and of its declared type, and msgpack's own length limits; anything else raises
+ProtocolError, which the receiver counts and answers without stopping. Each message type's field checks are
+built once, when `message` registers it: decoding runs on every token's path (router, gateway, client).
 
 The codec does not tell the hops apart: any registered message decodes on any socket, and each receiver
 dispatches on the type and answers or logs one it does not expect.
@@ -21,12 +22,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, Union
 
 import msgpack
 
+from ..outputs import FinishReason, TokenTexts
 from ..packed import PromptLogprobs, as_prompt_logprobs, pack_ids, unpack
 
 if TYPE_CHECKING:
     from . import Message
 
-PROTOCOL_VERSION = 7                  # any change to a message's fields or to their wire form takes a new number:
+PROTOCOL_VERSION = 8                  # any change to a message's fields or to their wire form takes a new number:
                                       # decode refuses a frame of another version, naming both, so that peers
                                       # of different builds fail loudly instead of misreading each other
 MAX_FRAME_BYTES = 16 * 2**20          # also the sockets' ZMQ_MAXMSGSIZE
@@ -42,6 +44,8 @@ MAX_PROMPT_LOGPROBS_BYTES = 4 * 2**20  # one request's prompt logprobs (with its
 IDS = {"ids": True}                    # a list of token ids, as a packed uint32 array
 PROMPT_LOGPROBS = {"plps": "one"}      # a PromptLogprobs ([n, own, top_ids, top_logprobs, ranks] on the wire)
 EACH_PROMPT_LOGPROBS = {"plps": "each"}  # a list of PromptLogprobs or None
+TOKEN_TEXTS = {"texts": True}          # a TokenTexts: [ids (packed uint32), their texts, their bytes where
+                                       # not the text's UTF-8 (None entries elsewhere), or None when none is]
 
 
 def list_of(cls: type) -> dict[str, type]:
@@ -63,9 +67,9 @@ class _FieldSpec(NamedTuple):
     hint: Any                          # the declared type, for error messages
     check: Callable[[Any], bool]       # the value conforms (outer type; list elements of lists of scalars too)
     required: bool                     # no default
-    ids: bool                          # a packed token-id array on the wire
     of: str | None                     # a list of this message type, each as a map of its fields
-    unpack: Callable[[Any, str], Any] | None   # turns a packed wire value (not None) into the field's value
+    pack: Callable[[Any], Any] | None  # turns the field's value (not None) into its wire form
+    unpack: Callable[[Any, str], Any] | None   # turns a wire value (not None) into the field's value, checked
 
 
 _TYPES: dict[str, type] = {}           # every message type by its name, the frame's "t"
@@ -97,8 +101,8 @@ def encode(msg: Message) -> bytes:
 def _put_fields(msg: Any, frame: dict[str, Any]) -> dict[str, Any]:
     for f in _SPECS[type(msg).__name__]:
         value = getattr(msg, f.name)
-        if value is not None and f.ids:
-            value = pack_ids(value)
+        if value is not None and f.pack is not None:
+            value = f.pack(value)
         elif value is not None and f.of is not None:
             value = [_put_fields(m, {}) for m in value]
         frame[f.name] = value
@@ -167,10 +171,17 @@ def _from_fields(name: str, frame: dict[str, Any]) -> Any:
     if len(kwargs) < len(frame):
         extra = set(frame) - set(kwargs)
         raise ProtocolError(f"{name}: unknown fields {sorted(extra, key=repr)}")
-    if name == "Delta" and kwargs.get("prompt_logprobs") is not None:
-        ids = kwargs.get("prompt_ids")
-        if ids is None or len(ids) != kwargs["prompt_logprobs"].num_positions + 1:
-            raise ProtocolError("Delta: prompt_logprobs need the prompt's ids, one position per token after the first")
+    if name == "Delta":
+        if kwargs.get("prompt_logprobs") is not None:
+            ids = kwargs.get("prompt_ids")
+            if ids is None or len(ids) != kwargs["prompt_logprobs"].num_positions + 1:
+                raise ProtocolError("Delta: prompt_logprobs need the prompt's ids, one position per token after "
+                                    "the first")
+        if kwargs.get("logprobs") is not None and len(kwargs["logprobs"]) != len(kwargs.get("token_ids", ())):
+            raise ProtocolError("Delta: logprobs must be parallel to token_ids")
+        if (kwargs.get("logprobs") is not None or kwargs.get("prompt_logprobs") is not None) and \
+                kwargs.get("token_texts") is None:
+            raise ProtocolError("Delta: logprobs come with the token_texts of the tokens they name")
     return _TYPES[name](**kwargs)
 
 
@@ -197,6 +208,47 @@ def _unpack_each_prompt_logprobs(x: Any, name: str) -> list:
 
 
 _UNPACK = {"one": _unpack_prompt_logprobs, "each": _unpack_each_prompt_logprobs}
+
+_REASONS = {r.value: r for r in FinishReason}
+
+
+def _unpack_reason(x: Any, name: str) -> FinishReason:
+    try:
+        return _REASONS[x]
+    except (KeyError, TypeError):
+        raise ProtocolError(f"field {name!r}: {x!r} is not a finish reason ({', '.join(_REASONS)})") from None
+
+
+def _unpack_reasons(x: Any, name: str) -> list[FinishReason | None]:
+    """A list of finish reasons or None (StepTokens': one per sampled request, every step)."""
+    if type(x) is not list:
+        raise ProtocolError(f"field {name!r} must be a list")
+    try:
+        return [None if r is None else _REASONS[r] for r in x]
+    except (KeyError, TypeError):
+        bad = next(r for r in x if r is not None and (not isinstance(r, str) or r not in _REASONS))
+        raise ProtocolError(f"field {name!r}: {bad!r} is not a finish reason ({', '.join(_REASONS)})") from None
+
+
+def _pack_texts(t: TokenTexts) -> list:
+    spelled = t.spelled
+    return [pack_ids(list(t.texts)), list(t.texts.values()), [spelled.get(i) for i in t.texts] if spelled else None]
+
+
+def _unpack_texts(x: Any, name: str) -> TokenTexts:
+    try:
+        ids_b, texts, spelled = x
+    except (TypeError, ValueError):
+        raise ProtocolError(f"field {name!r} must be [ids, texts, bytes or None]") from None
+    ids = _unpack_ids(ids_b, name)
+    if type(texts) is not list or len(texts) != len(ids) or not all(type(t) is str for t in texts):
+        raise ProtocolError(f"field {name!r}: one text per id")
+    if spelled is None:
+        return TokenTexts(dict(zip(ids, texts)), {})
+    if type(spelled) is not list or len(spelled) != len(ids) or not all(b is None or type(b) is bytes
+                                                                         for b in spelled):
+        raise ProtocolError(f"field {name!r}: bytes or None per id")
+    return TokenTexts(dict(zip(ids, texts)), {i: b for i, b in zip(ids, spelled) if b is not None})
 
 
 def _checker(hint: Any) -> Callable[[Any], bool]:
@@ -233,6 +285,21 @@ def _spec(cls: type) -> list[_FieldSpec]:
     hints = typing.get_type_hints(cls)
     return [_FieldSpec(f.name, hints[f.name], _checker(hints[f.name]),
                        f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
-                       bool(f.metadata.get("ids")), f.metadata["of"].__name__ if "of" in f.metadata else None,
-                       _unpack_ids if f.metadata.get("ids") else _UNPACK.get(f.metadata.get("plps")))
+                       f.metadata["of"].__name__ if "of" in f.metadata else None, *_wire_form(f, hints[f.name]))
             for f in dataclasses.fields(cls)]
+
+
+def _wire_form(f: dataclasses.Field, hint: Any) -> tuple[Callable | None, Callable | None]:
+    """(pack, unpack) of a field whose wire form is not its value as msgpack carries it."""
+    if f.metadata.get("ids"):
+        return pack_ids, _unpack_ids
+    if f.metadata.get("texts"):
+        return _pack_texts, _unpack_texts
+    if "plps" in f.metadata:
+        return None, _UNPACK[f.metadata["plps"]]     # a PromptLogprobs is a tuple: msgpack's array as it is
+    if hint == (FinishReason | None):
+        return None, _unpack_reason                  # a FinishReason is a str: msgpack's string as it is
+    if hint == list[FinishReason | None]:
+        return None, _unpack_reasons
+    assert FinishReason not in typing.get_args(hint), f"{f.name}: no wire form for {hint}"
+    return None, None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..outputs import FinishReason
 from .codec import EACH_PROMPT_LOGPROBS, IDS, message
 
 ENGINE_COUNTERS = ("num_blocks", "free_blocks", "used_blocks", "cached_blocks", "prefix_hit_tokens",
@@ -74,7 +75,8 @@ class AddRequest:
     """Router → replica leader."""
     req_id: int                                    # router-wide request number
     prompt_ids: list[int] = field(metadata=IDS)    # the whole prompt, tokenized by the router
-    params: dict = field(default_factory=dict)     # already validated SamplingParams fields
+    params: dict                                   # SamplingParams.to_wire(), checked by the router: the
+                                                   # worker takes them as they are (from_wire, trusted)
 
 
 @message
@@ -90,9 +92,10 @@ class StepTokens:
     """Replica leader → router: every token one engine step sampled."""
     req_ids: list[int]                             # the requests (AddRequest req_ids) that sampled a token
     token_ids: list[int] = field(metadata=IDS)     # parallel to req_ids
-    finish_reasons: list[str | None] = field(default_factory=list)   # parallel; None while running
+    finish_reasons: list[FinishReason | None] = field(default_factory=list)   # parallel; None while running
     cached_tokens: list[int] = field(default_factory=list)           # parallel; prefix-cache hits
-    logprobs: list | None = None                   # parallel, entries None or [logprob, [[id, lp], …], rank]
+    logprobs: list | None = None                   # parallel, entries None or Logprob.to_wire() ([logprob,
+                                                   # [[id, lp], …], rank]) of the token_ids entry
     prompt_logprobs: list | None = field(default=None, metadata=EACH_PROMPT_LOGPROBS)  # parallel, entries None
                                                    # or, on a request's first sampled token when it asked, its
                                                    # prompt's PromptLogprobs; None when none is set. An entry

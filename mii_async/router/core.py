@@ -8,7 +8,8 @@ The shells — the clients' loop (server.py), the workers' loop (worker_link.py)
 (supervisor.py) — feed it and write `sends` out, in order, after each event; nothing here awaits, so one event
 is handled whole before the next.
 
-Encoding a prompt takes milliseconds to seconds: `generate` answers with the prompt to encode (Encode), the
+Encoding a prompt takes milliseconds to seconds: `generate` answers with the prompt to encode (Encode: a chat
+with the tools it shows, through text/prompts.py — the one place where prompts become ids), the
 shell encodes it off the loop and feeds the ids back to `encoded`, which admits the request (admission.py),
 picks a replica (balancer.py) and sends it the ids. An abort meanwhile ends the request at once; the late ids
 then find it gone. Each StepTokens from a replica leader is detokenized per request (UTF-8 safe, stop strings)
@@ -24,7 +25,9 @@ from typing import Any, NamedTuple, Union
 
 from .. import protocol as P
 from ..errors import InvalidParameterError, MIIAsyncError, UnavailableError, error_code
+from ..outputs import FinishReason
 from ..params import MAX_TOKEN_ID
+from ..text.chat_tools import keeping_markers
 from ..text.request_state import Ended, RequestState
 from .admission import Admission, Prompt
 from .balancer import Balancer, Candidate
@@ -52,6 +55,9 @@ Send = Union[ToClient, ToReplica]
 class Encode(NamedTuple):      # a prompt to turn into ids off the loop; the answer goes to `encoded`
     rid: int
     prompt: Prompt
+    tools: list[dict] | None   # a chat's tools, rendered with it (text/chat_tools.py)
+    parallel_tool_calls: bool  # with tools: the prompt allows several calls per answer
+    fit_context: bool          # `encoded` lowers max_new_tokens to the room the prompt leaves
 
 
 class RouterCore:
@@ -97,17 +103,19 @@ class RouterCore:
         except Exception as exc:  # noqa: BLE001 - a bad request is refused, never stops the loop
             self._refuse(peer, msg.req_id, _as_refusal(exc, msg.req_id))
             return None
-        live = self.requests.open(peer, msg.req_id, arrival.params)
-        return Encode(live.rid, arrival.prompt)
+        params = keeping_markers(arrival.params, self.tokenizer) if msg.keep_tool_markers else arrival.params
+        live = self.requests.open(peer, msg.req_id, params)
+        return Encode(live.rid, arrival.prompt, msg.tools, msg.parallel_tool_calls, msg.fit_context)
 
-    def encoded(self, rid: int, text: str | None, ids: list[int]) -> None:
+    def encoded(self, rid: int, text: str | None, ids: list[int], *, fit_context: bool = False) -> None:
         """A prompt's ids: the request is admitted against the replicas' limits and the queued tokens, and
-        goes to a replica; or refused."""
+        goes to a replica; or refused. `fit_context`: the Encode's (max_new_tokens fitted to the room left)."""
         live = self.requests.get(rid)
         if live is None:
             return                                    # aborted while encoding
         try:
-            cost = self.admission.on_encoded(ids, live.params, self.replicas.limits(), self.requests.queued_tokens)
+            live.params, cost = self.admission.on_encoded(ids, live.params, self.replicas.limits(),
+                                                          self.requests.queued_tokens, fit_context)
             index = self.balancer.pick([Candidate(r.index, self.requests.load(r)) for r in self.replicas.ready()], ids)
             if index is None:
                 raise UnavailableError("no replica is ready")
@@ -117,7 +125,7 @@ class RouterCore:
             return
         rep = self.replicas.replicas[index]
         self.requests.dispatch(live, state, rep, cost)
-        self._to_replica(rep.leader, P.AddRequest(req_id=live.rid, prompt_ids=ids, params=live.params.to_dict()))
+        self._to_replica(rep.leader, P.AddRequest(req_id=live.rid, prompt_ids=ids, params=live.params.to_wire()))
 
     def encode_failed(self, rid: int, exc: BaseException) -> None:
         """The prompt could not be encoded (or admitted): the request is refused."""
@@ -171,9 +179,8 @@ class RouterCore:
                 chunk = state.on_event(ev)
                 packed, state.packed_prompt_logprobs = state.packed_prompt_logprobs, None
                 if chunk is not None:
-                    d = to_delta(live.creq, chunk)
+                    d = to_delta(live.creq, chunk, packed)
                     if packed is not None:          # up to MAX_PROMPT_LOGPROBS_BYTES: the worker's bytes as they came
-                        d.prompt_logprobs = packed
                         frames.alone(live.peer, d)
                     else:
                         frames.add(live.peer, d)
@@ -220,8 +227,8 @@ class RouterCore:
                 self._to_client(live.peer, P.ErrorReply(req_id=live.creq, code=code, message=ev.error or "error",
                                                         param=ev.param))
             else:
-                self._to_client(live.peer, P.Delta(req_id=live.creq, text="", token_ids=[], finish_reason="abort",
-                                                   error=ev.error))
+                self._to_client(live.peer, P.Delta(req_id=live.creq, text="", token_ids=[],
+                                                   finish_reason=FinishReason.ABORT, error=ev.error))
             return
         if tell_replica and live.replica is not None and live.replica.state == "ready":
             self._to_replica(live.replica.leader, P.AbortRequest(req_id=live.rid))

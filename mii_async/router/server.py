@@ -2,10 +2,10 @@
 
 One asyncio loop (uvloop) owns two ROUTER sockets: one for clients, one for workers. What a request goes
 through (admission, balancing, Deltas, ending) is the core's (core.py), which holds no socket: this module
-feeds it each client message, encodes prompts on a thread (never on the loop) and writes out what the core
-has to send, in order, after each event. The workers' socket is read by worker_link.py, the clock by
-supervisor.py (dead replicas, silent clients), each through the same `flush`. Queries (ping, health, stats,
-reset_prefix_cache) and a client's Shutdown are answered here.
+feeds it each client message, encodes prompts (chats with their tools) on a thread (never on the loop) and
+writes out what the core has to send, in order, after each event. The workers' socket is read by worker_link.py,
+the clock by supervisor.py (dead replicas, silent clients), each through the same `flush`. Queries (ping,
+health, stats, reset_prefix_cache) and a client's Shutdown are answered here.
 
 Failure handling: a bad frame or a bad request gets an ErrorReply and the loop carries on. `shutdown(drain_s)`
 refuses new work, lets live requests finish up to `drain_s`, aborts the rest (finish_reason "abort"), stops
@@ -191,14 +191,15 @@ class Router:
             self._spawn(self._encode(job))
 
     async def _encode(self, job: Encode) -> None:
-        """Encodes a prompt on the pool thread (chat templates and long prompts take a while) and hands the ids
-        to the core."""
+        """Encodes a prompt (a chat with its tools) on the pool thread (chat templates and long prompts take a
+        while) and hands the ids to the core."""
         try:
-            text, ids = await asyncio.get_running_loop().run_in_executor(self._pool, self.encoder.encode, job.prompt)
+            text, ids = await asyncio.get_running_loop().run_in_executor(
+                self._pool, self.encoder.encode, job.prompt, job.tools, job.parallel_tool_calls)
         except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer error on odd input: the request is refused
             self.core.encode_failed(job.rid, exc)
         else:
-            self.core.encoded(job.rid, text, ids)
+            self.core.encoded(job.rid, text, ids, fit_context=job.fit_context)
         await self.flush()
 
     def _spawn(self, coro: Any) -> None:

@@ -1,4 +1,4 @@
-"""A StepTokens entry as the event RequestState reads, its logprobs checked first.
+"""A StepTokens entry as the event RequestState reads, its logprobs checked first and decoded into a Logprob.
 
 A replica is trusted with its token ids, not with the shape of what it sends beside them: a sampled token's
 logprobs and a prompt's logprobs are checked against what the request asked for and the replica's vocabulary
@@ -13,19 +13,14 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import protocol as P
+from ..outputs import FinishReason, Logprob
 from ..params import MAX_TOKEN_ID, SamplingParams
-
-
-class TokenLogprobs(NamedTuple):   # a sampled token's logprobs, as RequestState reads them
-    logprob: float
-    top: list
-    rank: int | None = None
 
 
 class TokenEvent(NamedTuple):      # what RequestState.on_event reads from a sampled token
     token_id: int
-    logprobs: TokenLogprobs | None
-    finish_reason: str | None
+    logprobs: Logprob | None
+    finish_reason: FinishReason | None
     cached_tokens: int
     prompt_logprobs: P.PromptLogprobs | None   # on the first token, when asked: checked, still packed
 
@@ -36,7 +31,7 @@ def token_event(msg: P.StepTokens, i: int, params: SamplingParams, prompt_len: i
     `vocab_size` tokens; None when its logprobs are malformed or were not asked for."""
     lp = msg.logprobs[i] if msg.logprobs is not None else None
     plp = msg.prompt_logprobs[i] if msg.prompt_logprobs is not None else None
-    if lp is not None and (lp := logprob_entry(lp, params.logprobs or 0, vocab_size)) is None:
+    if lp is not None and (lp := logprob_entry(msg.token_ids[i], lp, params.logprobs or 0, vocab_size)) is None:
         return None
     if plp is not None and (params.prompt_logprobs is None or (plp := prompt_logprobs(
             plp, prompt_len, params.prompt_logprobs, vocab_size)) is None):
@@ -52,23 +47,21 @@ def well_formed(msg: P.StepTokens) -> bool:
         msg.prompt_logprobs is None or len(msg.prompt_logprobs) == n)
 
 
-def logprob_entry(x: Any, n: int, vocab_size: int) -> TokenLogprobs | None:
-    """A logprob entry from a worker, [logprob, [[id, logprob], …], rank] with at most `n` alternatives, or None
-    when malformed: finite floats (JSON carries no inf or nan), ids that are token ids, a rank in 1 … vocabulary
-    (or None)."""
+def logprob_entry(token_id: int, x: Any, n: int, vocab_size: int) -> Logprob | None:
+    """A worker's logprob entry for `token_id` (Logprob.to_wire(): [logprob, [[id, logprob], …], rank]) with
+    at most `n` alternatives, decoded; None when malformed: finite numbers (JSON carries no inf or nan), ids
+    that are token ids, a rank in 1 … vocabulary (or None)."""
     try:
         lp, top, rank = x
         if not _finite(lp) or not isinstance(top, (list, tuple)) or len(top) > n or not (
                 rank is None or (type(rank) is int and 1 <= rank <= vocab_size)):
             return None
-        out = []
         for i, v in top:
             if type(i) is not int or not 0 <= i <= MAX_TOKEN_ID or not _finite(v):
                 return None
-            out.append((i, float(v)))
     except (TypeError, ValueError):
         return None
-    return TokenLogprobs(float(lp), out, rank)
+    return Logprob.from_wire(token_id, x)
 
 
 def _finite(v: Any) -> bool:

@@ -1,16 +1,18 @@
-"""PromptEncoder: a prompt as a caller gives it (text, token ids or chat messages) → (text, token ids).
+"""PromptEncoder: a prompt as a caller gives it (text, token ids or chat messages, with the tools a chat shows)
+→ (text, token ids).
 
-Used by the router (off its event loop) and by the local pipeline. Errors name the parameter: `prompt` for a
-value of the wrong kind, `messages[i]` for a malformed chat message. Imports no torch.
+Used by the router (off its event loop) and by the local pipeline: the one place where a prompt becomes ids.
+Errors name the parameter: `prompt` for a value of the wrong kind, `messages[i]` for a malformed chat message,
+`tools[i]` for a malformed tool. Imports no torch.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from ..errors import InvalidParameterError
+from .chat_template import check_messages, render_template
+from .chat_tools import has_tool_calls, render_chat
 from .unicode_text import check_text
-
-MAX_MESSAGES = 4096
 
 
 def is_token_ids(p: Any) -> bool:
@@ -32,8 +34,12 @@ class PromptEncoder:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
-    def encode(self, prompt: Any) -> tuple[str | None, list[int]]:
-        """Returns the prompt's text (None for token ids) and its token ids."""
+    def encode(self, prompt: Any, tools: list[dict[str, Any]] | None = None,
+               parallel_tool_calls: bool = True) -> tuple[str | None, list[int]]:
+        """Returns the prompt's text (None for token ids) and its token ids. `tools` (chat messages only): the
+        functions the prompt shows; `parallel_tool_calls`: whether it allows several calls per answer."""
+        if tools is not None and not is_messages(prompt):
+            raise InvalidParameterError("tools", "tools go with a chat: give the prompt as messages")
         if isinstance(prompt, str):
             check_text("prompt", prompt)
             return prompt, list(self.tokenizer(prompt)["input_ids"])
@@ -41,29 +47,18 @@ class PromptEncoder:
             check_token_ids(prompt)
             return None, list(prompt)
         if is_messages(prompt):
-            text = self.apply_chat_template(list(prompt))
+            text = self.render(list(prompt), tools, parallel_tool_calls)
             return text, list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         raise InvalidParameterError("prompt", "must be a string, a list of token ids or a list of chat messages")
 
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+               parallel_tool_calls: bool = True, add_generation_prompt: bool = True) -> str:
+        """A chat's prompt text (the template holds its special tokens): with tools, or with a history that
+        holds tool calls, as chat_tools.py renders them; else the messages through the template as they are."""
+        if tools or has_tool_calls(messages):
+            return render_chat(self.tokenizer, messages, tools or None, parallel_tool_calls, add_generation_prompt)
+        return self.apply_chat_template(messages, add_generation_prompt)
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        if len(messages) > MAX_MESSAGES:
-            raise InvalidParameterError("messages", f"at most {MAX_MESSAGES} messages, got {len(messages)}")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise InvalidParameterError(f"messages[{i}]", "needs a string 'role' and a string 'content'")
-            check_text(f"messages[{i}]", m)
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise InvalidParameterError("messages", "this model's tokenizer has no chat template")
+        check_messages(self.tokenizer, messages)
         return render_template(self.tokenizer, messages, None, add_generation_prompt)
-
-
-def render_template(tokenizer: Any, messages: list[dict[str, Any]], tools: list | None,
-                    add_generation_prompt: bool) -> str:
-    """The chat template's text. Roles are the template's to accept: one it refuses (its own
-    `raise_exception`, as Mistral's does for a role it lacks), or messages it cannot render, are the caller's
-    error, named `messages`."""
-    try:
-        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                             tokenize=False)
-    except Exception as exc:  # noqa: BLE001 - jinja2's TemplateError, or a template that needs what we lack
-        raise InvalidParameterError("messages", f"the chat template cannot render these messages: {exc}") from None

@@ -13,24 +13,29 @@ the request's life.
 A prompt's logprobs come packed (protocol.PromptLogprobs). The local pipeline passes `decode_prompt_logprobs`
 (implied by keep_logprobs) to have them as Logprob objects in their chunk; the router does not: its chunk has
 none, and the packed form waits in `packed_prompt_logprobs` for the owner to take and forward as it came,
-without a Python object per position on its loop. Imports no torch.
+without a Python object per position on its loop.
+
+This is where the tokenizer is, so the texts of the tokens that logprobs name are given here: every Logprob
+and every chunk with logprobs or prompt logprobs refers to the tokenizer's shared TokenizerTexts
+(token_texts.py), from which the router sends a Delta the table of the ids it names. Imports no torch.
 """
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
 from ..errors import InvalidParameterError
-from ..outputs import Logprob, Response, StreamChunk, Usage
+from ..outputs import FinishReason, Logprob, Response, StreamChunk, Usage
 from ..params import SamplingParams
 from ..protocol import PromptLogprobs
 from .detokenizer import IncrementalDetokenizer
+from .token_texts import TokenizerTexts, texts_of
 
 
 class Ended(NamedTuple):
-    """The engine ended a request without a token: "abort" or "error". `param`: an error that is the
-    caller's value, named (a guide the model's vocabulary cannot follow), which refuses a request that has
-    sent nothing yet."""
-    reason: str
+    """The engine ended a request without a token: "abort" or "error" (a FinishReason or its value). `param`:
+    an error that is the caller's value, named (a guide the model's vocabulary cannot follow), which refuses a
+    request that has sent nothing yet."""
+    reason: FinishReason | str
     error: str | None = None
     param: str | None = None
 
@@ -54,7 +59,11 @@ class RequestState:
         # without decode_prompt_logprobs: the prompt's logprobs of the chunk just returned, packed, for its
         # owner to send with that chunk and set back to None
         self.packed_prompt_logprobs: PromptLogprobs | None = None
-        self.finish_reason: str | None = None
+        # the texts of every token the logprobs name, when any are asked
+        self.token_texts: TokenizerTexts | None = None
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            self.token_texts = texts_of(tokenizer)
+        self.finish_reason: FinishReason | None = None
         self.error: str | None = None
         self.needs_abort = False          # set when a stop string ended the request before the engine did
         self.cached_tokens = 0
@@ -75,42 +84,47 @@ class RequestState:
             if ev.param is not None and not self._started:
                 self.refusal = InvalidParameterError(ev.param, ev.error or "refused")
             text = self._detok.flush()
-            self.finish_reason, self.error = ev.reason, ev.error
+            self.finish_reason, self.error = FinishReason(ev.reason), ev.error
             return self._chunk(text, [], None)
         tok: int = ev.token_id
         self.cached_tokens = ev.cached_tokens
         self.output_ids.append(tok)
-        lp = None
+        lp: Logprob | None = None
         if self.params.logprobs is not None and ev.logprobs is not None:
-            lp = Logprob(tok, ev.logprobs.logprob, list(ev.logprobs.top), ev.logprobs.rank)
+            lp = ev.logprobs                      # the event's own (the engine's, or the router's decoding)
+            lp.token_texts = self.token_texts
             if self.logprobs is not None:
                 self.logprobs.append(lp)
-        plps = None
+        plps, packed = None, False
         if self.params.prompt_logprobs is not None and ev.prompt_logprobs is not None and not self._started:
             # only the first token's event carries them, and it makes the first chunk
             if self.decode_prompt_logprobs:
-                plps = ev.prompt_logprobs.to_logprobs(self.prompt_ids)
+                plps = ev.prompt_logprobs.to_logprobs(self.prompt_ids, self.token_texts)
                 if self.keep_logprobs:
                     self.prompt_logprobs = plps
             else:
-                self.packed_prompt_logprobs = ev.prompt_logprobs
+                self.packed_prompt_logprobs, packed = ev.prompt_logprobs, True
         # the id that ended it (EOS, a stop id) adds no text unless include_stop_str_in_output, as in vLLM
         delta = self._detok.push([tok], stop_terminated=ev.finish_reason == "stop")
         text = delta.text
         if delta.stopped:
-            self.finish_reason = "stop"
+            self.finish_reason = FinishReason.STOP
             self.needs_abort = ev.finish_reason is None
         elif ev.finish_reason is not None:
             text += self._detok.flush()           # a stop string its text completes wins, as in vLLM
-            self.finish_reason = "stop" if self._detok.stop_str is not None else ev.finish_reason
-        return self._chunk(text, [tok], [lp] if lp is not None else None, plps)
+            self.finish_reason = FinishReason.STOP if self._detok.stop_str is not None else FinishReason(
+                ev.finish_reason)
+        return self._chunk(text, [tok], [lp] if lp is not None else None, plps, packed)
 
     def _chunk(self, text: str, ids: list[int], lps: list[Logprob] | None,
-               plps: list[Logprob | None] | None = None) -> StreamChunk:
+               plps: list[Logprob | None] | None = None, packed: bool = False) -> StreamChunk:
+        """`packed`: the chunk's prompt logprobs wait packed in packed_prompt_logprobs (its texts are given all
+        the same)."""
         usage = self.usage() if self.finished else None
         first, self._started = not self._started, True
+        texts = self.token_texts if lps is not None or plps is not None or packed else None
         return StreamChunk(text, ids, lps, self.finish_reason, usage, self.error, plps,
-                           list(self.prompt_ids) if first else None)
+                           list(self.prompt_ids) if first else None, texts)
 
     def usage(self) -> Usage:
         return Usage(len(self.prompt_ids), len(self.output_ids), self.cached_tokens)
@@ -124,6 +138,6 @@ class RequestState:
         text = self._detok.text
         if self.params.return_full_text and self.prompt is not None:
             text = self.prompt + text
-        return Response(text, len(self.prompt_ids), len(self.output_ids), self.finish_reason or "error",
+        return Response(text, len(self.prompt_ids), len(self.output_ids), self.finish_reason or FinishReason.ERROR,
                         list(self.output_ids), list(self.prompt_ids), self.logprobs, self.usage(), self.error,
                         self.prompt_logprobs)

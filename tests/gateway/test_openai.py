@@ -325,27 +325,22 @@ def test_one_asking_choice_per_prompt_and_prompt_logprobs_checked_as_sent():
         assert e.value.param == "prompt_logprobs", v
 
 
-def test_token_texts_are_decoded_once_and_prompt_parts_rendered_once():
-    """GatewayState.token_text decodes each id once; the prompt's echo and vLLM parts are rendered once for
-    all the choices of a prompt, from the first choice's chunk (the only one that asked)."""
+def test_prompt_parts_are_rendered_once_from_the_chunks_texts():
+    """The prompt's echo and vLLM parts are rendered once for all the choices of a prompt, from the first
+    choice's chunk (the only one that asked), with the texts that chunk carries (the first prompt token's too,
+    which has no Logprob): the gateway has no tokenizer here and decodes nothing."""
     from mii_async.config import HttpConfig
     from mii_async.gateway.openai_routes import _PromptParts
     from mii_async.gateway.state import GatewayState
     from mii_async.gateway.streams import Job, Opened
-    from mii_async.outputs import Logprob, StreamChunk
-
-    class Tok:
-        calls = 0
-
-        def decode(self, ids):
-            Tok.calls += 1
-            return "".join(f"t{i} " for i in ids)
+    from mii_async.outputs import Logprob, StreamChunk, TokenTexts
 
     s = GatewayState(None, HttpConfig())
-    s.tokenizer = Tok()
+    assert s.tokenizer is None
     ids = [1, 2, 3, 2, 1]
-    plps = [None] + [Logprob(t, -1.0, [(t, -1.0), (9, -2.0)]) for t in ids[1:]]
-    first = StreamChunk("x", [4], None, None, None, None, plps, ids)
+    texts = TokenTexts({i: f"t{i} " for i in (1, 2, 3, 9)})
+    plps = [None] + [Logprob(t, -1.0, [(t, -1.0), (9, -2.0)], None, texts) for t in ids[1:]]
+    first = StreamChunk("x", [4], None, None, None, None, plps, ids, texts)
     bare = StreamChunk("y", [4], None, None, None, None, None, ids)
     opened = [Opened(Job(j, 0, ids, {"prompt_logprobs": 2} if j == 0 else {}), first if j == 0 else bare, None)
               for j in range(4)]
@@ -354,7 +349,63 @@ def test_token_texts_are_decoded_once_and_prompt_parts_rendered_once():
     vllms = [parts.vllm(o.job, 2) for o in opened]
     assert all(e is echoes[0] for e in echoes) and all(v is vllms[0] for v in vllms)
     assert echoes[0]["tokens"] == ["t1 ", "t2 ", "t3 ", "t2 ", "t1 "] and echoes[0]["token_logprobs"][1:] == [-1.0] * 4
+    assert echoes[0]["top_logprobs"][1] == {"t2 ": -1.0, "t9 ": -2.0}
     assert vllms[0][1] == {"2": {"logprob": -1.0, "rank": 1, "decoded_token": "t2 "},
                            "9": {"logprob": -2.0, "rank": 2, "decoded_token": "t9 "}}
-    assert Tok.calls == 4                      # ids 1, 2, 3 and 9, once each
-    assert [s.token_text(i) for i in (9, 3)] == ["t9 ", "t3 "] and Tok.calls == 4
+
+
+@pytest.fixture(scope="module")
+def blind_gateway_url(deployment, tmp_path_factory):
+    """A gateway whose own tokenizer is unavailable (--tokenizer names a directory that does not exist)."""
+    import json
+    import sys
+
+    from mii_async.config import HttpConfig
+    from mii_async.deployment import _start_with_status
+    from tests.mesh_helpers import wait_gone
+
+    cfg = {k: v for k, v in HttpConfig(http_port=0).to_dict().items() if k != "api_key"}
+    argv = [sys.executable, "-m", "mii_async.gateway", "--router", deployment.address, "--config", json.dumps(cfg),
+            "--tokenizer", str(tmp_path_factory.mktemp("blind") / "no-tokenizer-here")]
+    child, status = _start_with_status(argv, "gateway", 120.0)
+    yield status["url"]
+    child.stop(10.0)
+    assert not wait_gone([child.pid]), "the gateway was left behind"
+
+
+def test_logprob_texts_come_from_the_router_without_the_gateways_tokenizer(blind_gateway_url, model, deployment,
+                                                                           default_model_dir):
+    """Each logprob's token text rides on the router's Delta: a gateway without a tokenizer of its own shows
+    the texts (and chat's bytes) of every token and top alternative as decode([id]) gives them, on chat,
+    completions (the echoed prompt's tokens too, the first one's included) and vLLM's prompt_logprobs."""
+    from transformers import AutoTokenizer
+
+    from mii_async.text.token_bytes import TokenSpeller
+
+    tok = AutoTokenizer.from_pretrained(str(default_model_dir))
+    speller = TokenSpeller.of(tok)
+    [ref] = deployment([QUESTION], max_new_tokens=4, temperature=0, logprobs=2)
+    r = httpx.post(f"{blind_gateway_url}/v1/chat/completions", timeout=60,
+                   json={"model": model, "messages": QUESTION, "max_tokens": 4, "temperature": 0, "logprobs": True,
+                         "top_logprobs": 2})
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == [tok.decode([i]) for i in ref.token_ids]
+    assert [e["bytes"] for e in content] == [list(speller.spell(i)) for i in ref.token_ids]
+    for e, lp in zip(content, ref.logprobs):
+        assert [t["token"] for t in e["top_logprobs"]] == [tok.decode([i]) for i, _ in lp.top]
+        assert [t["bytes"] for t in e["top_logprobs"]] == [list(speller.spell(i)) for i, _ in lp.top]
+    ids = tok.encode("The capital of France is")
+    [ref] = deployment([ids], max_new_tokens=2, temperature=0, logprobs=2, prompt_logprobs=2)
+    r = httpx.post(f"{blind_gateway_url}/v1/completions", timeout=60,
+                   json={"model": model, "prompt": ids, "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 2,
+                         "prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [tok.decode([i]) for i in ids + ref.token_ids]
+    for top, x in zip(lp["top_logprobs"][1:], ref.prompt_logprobs[1:] + ref.logprobs):
+        assert {tok.decode([i]) for i, _ in x.top} <= set(top)
+    for entry, x in zip(choice["prompt_logprobs"][1:], ref.prompt_logprobs[1:]):
+        assert {k: v["decoded_token"] for k, v in entry.items()} == {str(i): tok.decode([i])
+                                                                      for i in [x.token_id] + [i for i, _ in x.top]}

@@ -1,5 +1,5 @@
 """Tool calling through the official `openai` package, unmodified, against a real gateway of the default model
-(SmolLM2-135M, whose chat template ignores tools: the gateway's fallback section shows them)."""
+(SmolLM2-135M, whose chat template ignores tools: the fallback section the router renders shows them)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from mii_async.gateway.tool_prompt import call_block
+from mii_async.text.chat_tools import call_block
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",

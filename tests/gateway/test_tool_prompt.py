@@ -9,10 +9,10 @@ import pytest
 
 from mii_async.gateway.http_errors import HTTPError
 from mii_async.gateway.openai_params import chat_messages
-from mii_async.gateway.tool_mode import tool_mode
+from mii_async.gateway.tool_mode import ToolMode, tool_mode
 from mii_async.gateway.tool_parser import parse_tool_calls
-from mii_async.gateway.tool_prompt import (PROBE_TOOL, call_block, encode_chat, markers_are_special, render_chat,
-                                           tool_section)
+from mii_async.text.chat_tools import PROBE_TOOL, call_block, markers_are_special, render_chat, tool_section
+from mii_async.text.prompts import PromptEncoder
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -29,6 +29,11 @@ KNOWING = ("{% if tools %}<TOOLS>{% for t in tools %}{{ t.function.name }}:{{ t.
            "{% for c in m.tool_calls %}CALL {{ c.id }} {{ c.function.name }} {{ c.function.arguments.city }}"
            "{% endfor %}{% elif m.role == 'tool' %}RESULT {{ m.tool_call_id }} {{ m.content }}{% else %}"
            "{{ m.content }}{% endif %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
+
+
+def _render(tokenizer, messages, mode: ToolMode | None, **kw) -> str:
+    """The prompt the router renders for a chat under `mode` (the tools it shows, whether calls may be several)."""
+    return render_chat(tokenizer, messages, mode.shown if mode else None, mode.parallel if mode else True, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -52,17 +57,17 @@ def test_a_template_that_ignores_tools_gets_the_fallback_section(tokenizer):
     mode = tool_mode([WEATHER], None, None)
     assert tokenizer.apply_chat_template(messages, tools=[WEATHER], tokenize=False) == \
         tokenizer.apply_chat_template(messages, tokenize=False)            # it does ignore them
-    text = render_chat(tokenizer, messages, mode)
+    text = _render(tokenizer, messages, mode)
     section = tool_section([WEATHER], parallel=True)
     assert text == tokenizer.apply_chat_template([{"role": "system", "content": section}] + messages,
                                                  add_generation_prompt=True, tokenize=False)
     assert json.dumps(WEATHER) in section and "<tool_call>" in section and "You are a helpful" not in text
     with_system = chat_messages([{"role": "system", "content": "Be brief."}] + messages)
-    assert f"Be brief.\n\n{section}" in render_chat(tokenizer, with_system, mode)
-    assert "at most one call" in render_chat(tokenizer, messages, tool_mode([WEATHER], None, False))
-    assert render_chat(tokenizer, messages, tool_mode([WEATHER], "none", None)) == \
+    assert f"Be brief.\n\n{section}" in _render(tokenizer, with_system, mode)
+    assert "at most one call" in _render(tokenizer, messages, tool_mode([WEATHER], None, False))
+    assert _render(tokenizer, messages, tool_mode([WEATHER], "none", None)) == \
         tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)   # none: no tools
-    ids = encode_chat(tokenizer, messages, mode)
+    ids = PromptEncoder(tokenizer).encode(messages, mode.shown, mode.parallel)[1]
     assert ids == tokenizer(text, add_special_tokens=False)["input_ids"] and tokenizer.decode(ids) == text
 
 
@@ -70,13 +75,13 @@ def test_history_calls_and_results_show_in_a_role_content_template(tokenizer):
     """An earlier call is written as a <tool_call> block (which the answer parser reads back), the results as a
     user turn of <tool_response> blocks, consecutive ones together."""
     messages = chat_messages(HISTORY + [{"role": "tool", "tool_call_id": "call_2", "content": "rain"}])
-    text = render_chat(tokenizer, messages, tool_mode([WEATHER], None, None))
+    text = _render(tokenizer, messages, tool_mode([WEATHER], None, None))
     block = call_block("get_weather", {"city": "Paris"})
     assert f"<|im_start|>assistant\n{block}<|im_end|>" in text
     assert parse_tool_calls(block, frozenset({"get_weather"}))[1][0].arguments == '{"city": "Paris"}'
     assert ("<|im_start|>user\n<tool_response>\n{\"celsius\": 22}\n</tool_response>\n"
             "<tool_response>\nrain\n</tool_response><|im_end|>\n<|im_start|>assistant\n") in text
-    no_tools = render_chat(tokenizer, messages, None)           # a follow-up that gives no tools
+    no_tools = _render(tokenizer, messages, None)           # a follow-up that gives no tools
     assert block in no_tools and "<tools>" not in no_tools and "<tool_response>\nrain" in no_tools
 
 
@@ -84,12 +89,12 @@ def test_a_template_that_knows_tools_gets_them_natively(knowing):
     """A template that prints tools gets the tools and the history as Hugging Face's templates take them:
     calls with id and arguments as an object, tool results with their tool_call_id; no section of ours."""
     messages = chat_messages(HISTORY)
-    text = render_chat(knowing, messages, tool_mode([WEATHER], None, None))
+    text = _render(knowing, messages, tool_mode([WEATHER], None, None))
     params = json.dumps(WEATHER["function"]["parameters"])
     assert text == (f"<TOOLS>get_weather:{params};</TOOLS>\n[user]Weather in Paris?\n"
                     "[assistant]CALL call_1 get_weather Paris\n[tool]RESULT call_1 {\"celsius\": 22}\n[assistant]")
     assert "<tool_call>" not in text and "# Tools" not in text
-    none = render_chat(knowing, messages, tool_mode([WEATHER], "none", None))
+    none = _render(knowing, messages, tool_mode([WEATHER], "none", None))
     assert none == text.split("\n", 1)[1]                       # tool_choice none: no tools, history native
 
 
@@ -97,7 +102,7 @@ def test_a_template_that_refuses_tools_gets_the_fallback(knowing):
     t = copy.deepcopy(knowing)
     t.chat_template = "{% if tools %}{{ raise_exception('no tools here') }}{% endif %}" + \
         "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
-    text = render_chat(t, chat_messages(HISTORY), tool_mode([WEATHER, PROBE_TOOL], None, None))
+    text = _render(t, chat_messages(HISTORY), tool_mode([WEATHER, PROBE_TOOL], None, None))
     assert text.startswith("system: # Tools") and "<tool_call>" in text
 
 
@@ -115,7 +120,7 @@ def test_a_template_error_names_messages(knowing):
     t = copy.deepcopy(knowing)
     t.chat_template = "{{ raise_exception('roles must alternate') }}"
     with pytest.raises(Exception) as e:
-        render_chat(t, chat_messages(HISTORY), None)
+        _render(t, chat_messages(HISTORY), None)
     assert e.value.param == "messages" and "roles must alternate" in str(e.value)
 
 

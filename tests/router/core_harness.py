@@ -43,8 +43,13 @@ class Harness:
         return job
 
     def encode(self, job: Encode) -> None:
-        text, ids = self.encoder.encode(job.prompt)
-        self.core.encoded(job.rid, text, ids)
+        """As the shell encodes: a prompt the encoder refuses refuses the request."""
+        try:
+            text, ids = self.encoder.encode(job.prompt, job.tools, job.parallel_tool_calls)
+        except Exception as exc:  # noqa: BLE001 - as server.py's _encode
+            self.core.encode_failed(job.rid, exc)
+        else:
+            self.core.encoded(job.rid, text, ids, fit_context=job.fit_context)
 
     def step(self, leader: bytes, tokens: dict[int, int], finish: dict[int, str] | None = None) -> None:
         """A StepTokens from `leader`: router request number → sampled token."""

@@ -122,3 +122,34 @@ def test_a_bad_frame_is_answered_under_its_id(tokenizer):
     assert (a.msg.req_id, a.msg.code) == ("x", "bad_frame")
     assert (b.msg.req_id, b.msg.code) == (None, "bad_frame") and "AbortRequest" in b.msg.message
 
+
+
+def test_a_chat_that_fits_the_context_gets_the_room_its_prompt_leaves(tokenizer):
+    """fit_context (the gateway's chat without max_tokens) lowers max_new_tokens to what the context and the KV
+    pool leave after the prompt, and counts that; without it the same request is refused. A ceiling under the
+    room stays; a prompt that leaves no room, or a min_new_tokens past it, is refused naming it."""
+    import copy
+
+    words = copy.deepcopy(tokenizer)
+    words.chat_template = "{% for m in messages %}{{ m.content }} {% endfor %}"
+    h = Harness(words)
+    info = h.replicas.replicas[0].workers[0].info
+
+    def chat(creq: str, content: str = "w5 w6 w7", fit: bool = True, **params) -> list:
+        job = h.core.client_message(b"c", P.Generate(req_id=creq, messages=[{"role": "user", "content": content}],
+                                                     params={"max_new_tokens": 4096, **params}, fit_context=fit))
+        h.encode(job)
+        return h.sends()
+
+    info.update(max_model_len=20, max_request_tokens=CONTEXT)
+    [sent] = chat("a")
+    assert isinstance(sent.msg, P.AddRequest) and sent.msg.params["max_new_tokens"] == 17
+    assert h.core.requests.queued_tokens == 20
+    info.update(max_request_tokens=12)                              # a KV pool smaller than the context
+    assert chat("b")[0].msg.params["max_new_tokens"] == 9
+    assert chat("c", max_new_tokens=5)[0].msg.params["max_new_tokens"] == 5
+    e = refusal(chat("d", fit=False))
+    assert (e.code, e.param) == ("request_too_long", "max_new_tokens")
+    assert refusal(chat("e", min_new_tokens=10)).param == "min_new_tokens"
+    e = refusal(chat("f", " ".join(["w5"] * 12)))
+    assert (e.code, e.param) == ("request_too_long", "prompt")

@@ -4,7 +4,9 @@ replica, a silent client, a dead replica, shutdown)."""
 from __future__ import annotations
 
 from mii_async import protocol as P
+from mii_async.outputs import Logprob
 from mii_async.router.core import ToClient, ToReplica
+from tests.packed_logprobs import pack
 from tests.router.core_harness import Harness, refusal
 
 
@@ -104,7 +106,32 @@ def test_malformed_logprobs_end_only_their_request(tokenizer):
     ended = next(d for d in deltas if d.req_id == "a")
     assert ended.finish_reason == "error" and "malformed logprobs" in ended.error
     streamed = next(d for d in deltas if d.req_id == "b")
-    assert streamed.finish_reason is None and streamed.logprobs == [[9, -0.1, [[9, -0.1]], 1]]
+    assert streamed.finish_reason is None and streamed.logprobs == [[-0.1, [[9, -0.1]], 1]]
+
+
+def test_a_deltas_logprobs_carry_the_texts_of_the_tokens_they_name(tokenizer):
+    """The router, which holds the tokenizer, sends with a Delta's logprobs the text (decode([id])) and bytes of
+    its token and of every alternative, and, with prompt logprobs, of the prompt's ids and their alternatives:
+    just those ids. A Delta without logprobs carries none."""
+    h = Harness(tokenizer)
+    h.submit("a", "w5 w6 w7", logprobs=2, prompt_logprobs=1)
+    h.submit("b", "w5 w6")
+    h.sends()
+    a, b = h.rid("a"), h.rid("b")
+    plps = pack([(-1.0, [(40, -0.5)]), (-2.0, [(41, -0.25)])], 1)
+    h.core.step_tokens(b"w0", P.StepTokens(req_ids=[a, b], token_ids=[9, 9], finish_reasons=[None, None],
+                                           cached_tokens=[0, 0], logprobs=[[-0.1, [[9, -0.1], [12, -3.0]], 1], None],
+                                           prompt_logprobs=[plps, None]))
+    deltas = {d.req_id: d for s in h.sends() for d in (s.msg.deltas if isinstance(s.msg, P.DeltaBatch) else [s.msg])}
+    texts = deltas["a"].token_texts
+    assert sorted(texts.texts) == [5, 6, 7, 9, 12, 40, 41]
+    assert all(texts.text(i) == tokenizer.decode([i]) == f"w{i}" for i in texts.texts)
+    assert texts.token_bytes(12) == b"w12" and deltas["b"].token_texts is None
+    d = P.decode(P.encode(deltas["a"]))
+    [lp] = [Logprob.from_wire(t, x, d.token_texts) for t, x in zip(d.token_ids, d.logprobs)]
+    assert (lp.text, lp.top_texts) == ("w9", ["w9", "w12"])
+    assert [x and x.top_texts for x in d.prompt_logprobs.to_logprobs(d.prompt_ids, d.token_texts)] == [
+        None, ["w40"], ["w41"]]
 
 
 # -- ending --------------------------------------------------------------------------------------------
@@ -207,3 +234,74 @@ def test_shutdown_aborts_every_live_request(tokenizer):
     assert sorted(d.req_id for d in ends) == ["a", "b"]
     assert all(d.finish_reason == "abort" and d.error == "the deployment is shutting down" for d in ends)
     assert len(h.core.requests) == 0 and h.core.requests.queued_tokens == 0
+
+
+# -- prompts ---------------------------------------------------------------------------------------------
+# Prints the tools' names, then each message's content: a template that shows tools, over the word tokenizer
+SHOWS_TOOLS = "{% for t in tools or [] %}{{ t.function.name }} {% endfor %}{% for m in messages %}{{ m.content }} " \
+              "{% endfor %}"
+IGNORES_TOOLS = "{% for m in messages %}{{ m.content }} {% endfor %}"
+
+
+def _templated(tokenizer, template: str, *special: str):
+    import copy
+
+    t = copy.deepcopy(tokenizer)
+    t.chat_template = template
+    if special:
+        t.add_special_tokens({"additional_special_tokens": list(special)})
+    return t
+
+
+def _tool(name: str) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {}}}}
+
+
+def _chat(h: Harness, creq: str, content: str = "w5 w6", **fields) -> P.Message:
+    """A chat Generate through the core; what it sends (an AddRequest, or an ErrorReply) is returned."""
+    job = h.core.client_message(b"c", P.Generate(req_id=creq, messages=[{"role": "user", "content": content}],
+                                                 params={"max_new_tokens": 4}, **fields))
+    if job is not None:
+        h.encode(job)
+    [s] = h.sends()
+    return s.msg
+
+
+def test_a_chat_is_rendered_with_the_tools_its_generate_carries(tokenizer):
+    """The router renders a Generate's tools with its messages: natively where the template shows tools, as
+    our own system section (saying how many calls an answer may make) where it ignores them."""
+    h = Harness(_templated(tokenizer, SHOWS_TOOLS))
+    assert _chat(h, "a", tools=[_tool("w40"), _tool("w41")]).prompt_ids == [40, 41, 5, 6]
+    assert _chat(h, "b").prompt_ids == [5, 6]
+    from mii_async.text.chat_tools import render_chat
+
+    ignoring = _templated(tokenizer, IGNORES_TOOLS)
+    h = Harness(ignoring)
+    messages, tools = [{"role": "user", "content": "w5 w6"}], [_tool("w40")]
+    for parallel in (True, False):
+        text = render_chat(ignoring, messages, tools, parallel)
+        assert ("Make at most one call." in text) is not parallel and text.endswith("w5 w6 ")
+        sent = _chat(h, f"p{parallel}", tools=tools, parallel_tool_calls=parallel)
+        assert sent.prompt_ids == ignoring(text, add_special_tokens=False)["input_ids"]
+    assert _chat(h, "plain").prompt_ids == [5, 6]
+
+
+def test_tools_with_a_text_prompt_or_malformed_are_refused_naming_them(tokenizer):
+    """Tools go with a chat; a tool without a function name is named by its index."""
+    h = Harness(_templated(tokenizer, SHOWS_TOOLS))
+    assert h.core.client_message(b"c", P.Generate(req_id="t", prompt="w5", tools=[_tool("w40")])) is None
+    assert refusal(h.sends()).param == "tools"
+    e = _chat(h, "m", tools=[_tool("w40"), {"type": "function", "function": {"description": "no name"}}])
+    assert isinstance(e, P.ErrorReply) and (e.req_id, e.code, e.param) == ("m", "invalid_parameter", "tools[1]")
+    assert len(h.core.requests) == 0
+
+
+def test_an_answer_read_for_calls_keeps_special_call_markers(tokenizer):
+    """keep_tool_markers turns skip_special_tokens off where the tokenizer holds <tool_call> as a special
+    token (it would be cut out of the answer before it is parsed), and only there."""
+    special = Harness(_templated(tokenizer, SHOWS_TOOLS, "<tool_call>", "</tool_call>"))
+    plain = Harness(_templated(tokenizer, SHOWS_TOOLS))
+    tools = [_tool("w40")]
+    assert _chat(special, "a", tools=tools, keep_tool_markers=True).params["skip_special_tokens"] is False
+    assert _chat(special, "b", tools=tools).params["skip_special_tokens"] is True
+    assert _chat(plain, "c", tools=tools, keep_tool_markers=True).params["skip_special_tokens"] is True

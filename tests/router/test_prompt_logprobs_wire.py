@@ -77,7 +77,8 @@ def _loop(client):
 
 
 def test_prompt_logprobs_reach_the_client(router):
-    """A worker's packed prompt logprobs arrive as Logprobs with the prompt's token ids; a StepTokens whose
+    """A worker's packed prompt logprobs arrive as Logprobs with the prompt's token ids and, added by the
+    router (the worker has no tokenizer), the texts of each token and its alternatives; a StepTokens whose
     prompt_logprobs list is not parallel to its requests is dropped whole (the request's tokens are those of
     the next, valid one)."""
     client, w = router
@@ -93,11 +94,13 @@ def test_prompt_logprobs_reach_the_client(router):
     assert r.token_ids == [8, 9]
     assert r.prompt_logprobs == [None] + [Logprob(t, -1.0 - i, [(5, -0.5), (6, -1.5)], rank)
                                           for i, (t, rank) in enumerate(zip(prompt[1:], (2, 40, 319)))]
+    assert [(x.text, x.top_texts) for x in r.prompt_logprobs[1:]] == [(f"w{t}", ["w5", "w6"]) for t in prompt[1:]]
 
 
 def test_the_router_forwards_the_packed_bytes(router):
     """The client's Delta carries the prompt logprobs byte for byte as the worker sent them (nothing decoded
-    and re-encoded in the router), with the prompt's ids, in a frame of its own: read here on a raw socket."""
+    and re-encoded in the router), with the prompt's ids and the texts of every id they name (once each), in a
+    frame of its own: read here on a raw socket."""
     client, w = router
     prompt = [1] + [7] * 999
     plps = pack([(-0.1 * (i % 50), [(i % 320, -0.01 * i), (3, -9.5)]) for i in range(999)], 2)
@@ -114,6 +117,8 @@ def test_the_router_forwards_the_packed_bytes(router):
         d = P.decode(sock.recv())
         assert isinstance(d, P.Delta) and d.prompt_ids == prompt and d.token_ids == [5]
         assert d.prompt_logprobs == plps and d.finish_reason == "length"
+        assert sorted(d.token_texts.texts) == sorted({1, 7, 3} | {i % 320 for i in range(999)})
+        assert d.token_texts.text(7) == "w7" and d.token_texts.token_bytes(300) == b"w300"
     finally:
         sock.close()
         ctx.term()
@@ -187,8 +192,8 @@ def test_prompt_logprobs_a_request_did_not_ask_for_fail_it(router):
 
 
 def test_sampled_logprobs_reach_the_client_with_their_rank(router):
-    """A sampled token's logprob, alternatives and rank arrive as a Logprob; a rank the worker does not know
-    (None) stays None."""
+    """A sampled token's logprob, alternatives and rank arrive as a Logprob, with the texts of the token and
+    its alternatives (the router's tokenizer); a rank the worker does not know (None) stays None."""
     client, w = router
     fut = _ask(client, [1, 5], max_new_tokens=2, logprobs=1)
     add = w.recv(P.AddRequest)
@@ -198,6 +203,7 @@ def test_sampled_logprobs_reach_the_client_with_their_rank(router):
     assert r.token_ids == [8, 9]
     assert r.logprobs == [Logprob(8, -0.25, [(8, -0.25)], 1), Logprob(9, -3.5, [(8, -0.5)], None)]
     assert r.logprobs[0].to_dict()["rank"] == 1 and "rank" not in r.logprobs[1].to_dict()
+    assert [(x.text, x.token_bytes, x.top_texts) for x in r.logprobs] == [("w8", b"w8", ["w8"]), ("w9", b"w9", ["w8"])]
 
 
 @pytest.mark.parametrize("bad", [[float("inf"), [], 1], [-1.0, [[9, -0.5], [8, -1.0]], 1], [-1.0, [[-1, -0.5]], 1],

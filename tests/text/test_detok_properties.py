@@ -10,6 +10,7 @@ import transformers
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from mii_async.outputs import Logprob
 from mii_async.params import SamplingParams
 from mii_async.text.detokenizer import MAX_HELD_RUN_IDS, IncrementalDetokenizer
 from mii_async.text.request_state import Ended, RequestState
@@ -195,7 +196,7 @@ def test_request_state_chunks_stay_aligned(bbpe, data, finish, include):
     chunks = []
     for k, i in enumerate(ids):
         last = k == len(ids) - 1
-        ev = NS(token_id=i, logprobs=NS(logprob=-k - 1.0, top=[(i, -k - 1.0)], rank=1), cached_tokens=0,
+        ev = NS(token_id=i, logprobs=Logprob(i, -k - 1.0, [(i, -k - 1.0)], 1), cached_tokens=0,
                 finish_reason=finish if last and finish != "abort" else None, prompt_logprobs=None)
         chunks.append(state.on_event(ev))
         if state.finished:

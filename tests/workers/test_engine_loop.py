@@ -92,8 +92,8 @@ def test_requests_in_tokens_out_until_idle(model, async_scheduling):
 
 
 def test_a_bad_request_is_answered_and_the_loop_goes_on(model):
-    """A request the engine refuses, and one whose id is live, each end with an error naming why; the live one
-    still completes."""
+    """A request the engine cannot hold (its driver checks the limits, the engine asserts them), and one whose id
+    is live, each end with an error naming why; the live one still completes."""
     engine = make_engine(model, num_blocks=64, max_model_len=32)
     d = Driver(engine)
     outs = d.run(AddRequest(1, [5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True)),
@@ -101,7 +101,8 @@ def test_a_bad_request_is_answered_and_the_loop_goes_on(model):
                  AddRequest(1, [5, 6], SamplingParams(max_new_tokens=2)))
     errors = ended(outs)
     assert [(e.req_id, e.reason) for e in errors] == [(2, "error"), (1, "error")]
-    assert "RequestTooLongError" in errors[0].message and "already live" in errors[1].message
+    assert "AssertionError" in errors[0].message and "limits (32 tokens)" in errors[0].message
+    assert "already live" in errors[1].message
     assert [o.finish_reason for o in tokens_of(outs)[1]] == [None] * 3 + ["length"]
     assert_idle(engine)
 

@@ -23,7 +23,7 @@ def test_a_step_with_large_prompt_logprobs_is_cut_into_frames(monkeypatch):
     """Outputs go out in order; one output's prompt logprobs (packed: 8 + 8n bytes a position) are never
     split and go out byte for byte as the engine packed them; a frame takes more outputs only while its
     prompt logprobs stay under STEP_FRAME_BYTES; a step without prompt logprobs is one frame without the
-    field."""
+    field. A sampled token's logprobs go out in their one wire form (Logprob.to_wire), None where not asked."""
     monkeypatch.setattr(worker_mod, "STEP_FRAME_BYTES", 10_000)
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
@@ -33,7 +33,8 @@ def test_a_step_with_large_prompt_logprobs_is_cut_into_frames(monkeypatch):
     try:
         assert 5_000 < worker_mod._packed_bytes(_plps(100)) < prompt_logprobs_bytes(100, N) < 10_000
         a, c, d = _plps(100), _plps(100), _plps(100)
-        outs = [EngineOutput(1, 11, None, None, 0, a), EngineOutput(2, 12, None, None, 0),
+        lp = Logprob(12, -0.5, [(12, -0.5), (3, -1.5)], 1)
+        outs = [EngineOutput(1, 11, None, None, 0, a), EngineOutput(2, 12, lp, None, 0),
                 EngineOutput(3, 13, None, "length", 0, c), EngineOutput(4, 14, None, None, 0, d)]
         w._send_tokens(outs)
         frames = []
@@ -44,6 +45,7 @@ def test_a_step_with_large_prompt_logprobs_is_cut_into_frames(monkeypatch):
         assert [f.req_ids for f in frames] == [[1, 2], [3], [4]]
         assert [t for f in frames for t in f.token_ids] == [11, 12, 13, 14]
         assert frames[0].prompt_logprobs[1] is None and frames[1].finish_reasons == ["length"]
+        assert frames[0].logprobs == [None, [-0.5, [[12, -0.5], [3, -1.5]], 1]] and frames[1].logprobs is None
         sent = frames[0].prompt_logprobs[0]
         assert sent == a and frames[2].prompt_logprobs == [d]
         lps = sent.to_logprobs(list(range(100)))
@@ -62,8 +64,8 @@ def test_a_step_with_large_prompt_logprobs_is_cut_into_frames(monkeypatch):
 
 def test_router_messages_become_loop_commands_and_outputs_go_back():
     """The leader's driver on a real socket: requests, aborts and stats queries become the loop's commands in
-    order; params that do not decode are answered with RequestFailed and never reach the loop; a bad frame is
-    skipped; a Shutdown becomes a Stop. Back: an error end is a RequestFailed, an abort end sends nothing
+    order; a request's params are taken as the router sent them (checked there, not again: a value the router
+    would refuse reaches the loop as it came, and nothing is answered); a bad frame is skipped; a Shutdown becomes a Stop. Back: an error end is a RequestFailed, an abort end sends nothing
     (the router ended it), a tagged Stats is a StatsReport and an untagged one only refreshes the heartbeat's
     counters."""
     from mii_async.params import SamplingParams
@@ -83,23 +85,25 @@ def test_router_messages_become_loop_commands_and_outputs_go_back():
         w.sock.send(P.Heartbeat(replica=0, stats={}))        # the router learns the worker's routing id
         assert isinstance(from_worker(), P.Heartbeat)
         peer = w.name.encode()
-        for msg in (P.AddRequest(req_id=1, prompt_ids=[5, 6], params={"max_new_tokens": 3}),
-                    P.AddRequest(req_id=2, prompt_ids=[5], params={"temperature": -1}),
+        unchecked = {**SamplingParams().to_wire(), "temperature": -1.0}
+        for msg in (P.AddRequest(req_id=1, prompt_ids=[5, 6], params=SamplingParams(max_new_tokens=3).to_wire()),
+                    P.AddRequest(req_id=2, prompt_ids=[5], params=unchecked),
                     P.AbortRequest(req_id=1), P.StatsQuery(token=9, reset_prefix_cache=True)):
             router.send_multipart([peer, P.encode(msg)])
         router.send_multipart([peer, b"not msgpack"])
         router.send_multipart([peer, P.encode(P.Shutdown())])
         cmds = []
         for _ in range(100):                     # after a message that is no command it takes only what is
-            if len(cmds) == 4:                   # there: None while the next is still on its way
+            if len(cmds) == 5:                   # there: None while the next is still on its way
                 break
             if (cmd := w._receive(5.0)) is not None:
                 cmds.append(cmd)
-        assert cmds == [AddRequest(1, [5, 6], SamplingParams(max_new_tokens=3)), Abort(1), QueryStats(9, True),
-                        Stop("the worker is stopping")]
-        refused = from_worker()
-        assert isinstance(refused, P.RequestFailed) and refused.req_id == 2 and "temperature" in refused.message
+        assert cmds == [AddRequest(1, [5, 6], SamplingParams(max_new_tokens=3)),
+                        AddRequest(2, [5], SamplingParams.from_wire(unchecked, trusted=True)), Abort(1),
+                        QueryStats(9, True), Stop("the worker is stopping")]
+        assert cmds[1].params.temperature == -1.0 and cmds[1].params.stop == ()
         assert w._receive(0.0) == Stop("the worker is stopping")            # stopping: no more commands
+        assert not router.poll(200)                                          # nothing refused
 
         w._on_output(RequestEnded(3, "abort"))
         w._on_output(RequestEnded(4, "error", "engine step failed: RuntimeError: x", None))

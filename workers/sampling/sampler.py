@@ -16,6 +16,8 @@ from typing import NamedTuple
 
 import torch
 
+from mii_async.outputs import Logprob
+
 from .guides import guide_masks
 from ..core.sequence import Sequence, Status
 
@@ -40,15 +42,11 @@ def to_device(values: list, device: torch.device, dtype: torch.dtype | None = No
     return t
 
 
-class TokenLogprobs(NamedTuple):
-    logprob: float                       # of the chosen token
-    top: list[tuple[int, float]]         # the n most likely (id, logprob), best first
-    rank: int | None = None              # the chosen token's: tokens at least as likely, itself included
-
-
 class SampleResult(NamedTuple):
     token_ids: list[int]
-    logprobs: list[TokenLogprobs | None]
+    logprobs: list[Logprob | None]       # per row, when its request asked: the chosen token's logprob, the n most
+                                         # likely (id, logprob) best first, its rank (tokens at least as likely,
+                                         # itself included); no texts (the router gives them)
 
 
 class PendingSample(NamedTuple):
@@ -161,12 +159,12 @@ class Sampler:
         if p.ready is not None:
             p.ready.synchronize()
         token_ids = p.host[0].tolist()
-        out_lp: list[TokenLogprobs | None] = [None] * p.num_rows
+        out_lp: list[Logprob | None] = [None] * p.num_rows
         if p.logprobs is not None:
             rows, ns = p.logprobs[:2]
             own_l, top_vl, top_il, rank_l = (t.tolist() for t in p.host[1:])
             for j, (i, n) in enumerate(zip(rows, ns)):
-                out_lp[i] = TokenLogprobs(own_l[j], list(zip(top_il[j][:n], top_vl[j][:n])), rank_l[j])
+                out_lp[i] = Logprob(token_ids[i], own_l[j], list(zip(top_il[j][:n], top_vl[j][:n])), rank_l[j])
         return SampleResult(token_ids, out_lp)
 
     def _penalize(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
