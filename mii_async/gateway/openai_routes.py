@@ -103,6 +103,8 @@ async def _answer(s: GatewayState, request: Request, api: str, jobs: list[Job], 
     meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": s.model_name}
     rename = rename or (CHAT_RENAME if chat else RENAME)
+    if getattr(body, "echo", False) and any(not isinstance(j.prompt, str) for j in jobs):
+        await s.load_tokenizer()        # the echoed text of a token-id prompt: the one use of it here
     try:
         opened = await until_disconnect(request, open_streams(s, api, jobs))
     except MIIAsyncError as exc:

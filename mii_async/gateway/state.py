@@ -27,7 +27,9 @@ class GatewayState:
         self.config = config
         self.metrics = Metrics()
         self.tokenizer_path = tokenizer_path
-        self.tokenizer: Any = None            # loaded at startup from the router's model directory
+        self.tokenizer: Any = None            # the model's, loaded by load_tokenizer at the first route that needs it
+        self._tokenizer_tried = False
+        self._tokenizer_lock = asyncio.Lock()
         self.model_name = config.served_model_name or ""
         self.created = int(time.time())
         self._health: tuple[float, dict] | None = None
@@ -35,35 +37,49 @@ class GatewayState:
         self._init_task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        """Asks the router what it serves, and loads that model's tokenizer (the text of an echoed token-id
-        prompt, /tokenize and /detokenize; chats are rendered and tokenized by the router). A router that does not
-        answer yet is asked again every 2 s."""
+        """Asks the router what it serves (the model's name). A router that does not answer yet is asked again
+        every 2 s. No tokenizer is loaded here: the router renders and tokenizes prompts and sends the texts of
+        logprobs' tokens; only /tokenize, /detokenize and the echo of a token-id prompt need one
+        (`load_tokenizer`)."""
         h = await self.health(fresh=True)
         if "error" in h:
             log.warning("the router does not answer yet; the gateway answers 503 until it does")
             self._init_task = asyncio.ensure_future(self._init_later())
             return
-        await self._init_from(h)
+        self._init_from(h)
 
     async def _init_later(self) -> None:
         while True:
             await asyncio.sleep(2.0)
             h = await self.health(fresh=True)
             if "error" not in h:
-                await self._init_from(h)
+                self._init_from(h)
                 return
 
-    async def _init_from(self, health: dict) -> None:
-        model_path = self.tokenizer_path or health.get("model") or ""
+    def _init_from(self, health: dict) -> None:
         if not self.model_name:
+            model_path = self.tokenizer_path or health.get("model") or ""
             self.model_name = health.get("model_name") or os.path.basename(model_path.rstrip("/")) or "default"
-        if model_path and os.path.isdir(model_path):
-            from transformers import AutoTokenizer
 
-            self.tokenizer = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: AutoTokenizer.from_pretrained(model_path))
-        else:
-            log.warning("no tokenizer at %r: an echoed token-id prompt shows no text", model_path)
+    async def load_tokenizer(self) -> Any:
+        """The model's tokenizer (from --tokenizer, else the router's model directory), loaded off the event loop
+        once, at the first call; None where that directory is not on this host."""
+        async with self._tokenizer_lock:
+            if not self._tokenizer_tried:
+                h = {} if self.tokenizer_path else await self.health()
+                if "error" in h:
+                    return None             # the router does not answer yet: ask again at the next call
+                model_path = self.tokenizer_path or h.get("model") or ""
+                if model_path and os.path.isdir(model_path):
+                    from transformers import AutoTokenizer
+
+                    self.tokenizer = await asyncio.get_running_loop().run_in_executor(
+                        None, lambda: AutoTokenizer.from_pretrained(model_path))
+                else:
+                    log.warning("no tokenizer at %r: /tokenize and /detokenize answer 503, and the echo of a "
+                                "token-id prompt shows no text", model_path)
+                self._tokenizer_tried = True
+            return self.tokenizer
 
     async def health(self, fresh: bool = False) -> dict:
         """The router's health, cached for HEALTH_CACHE_S; {"state": "unavailable", …} when it does not answer."""

@@ -41,10 +41,10 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def _ready(request: Request, model: str | None) -> GatewayState:
+async def _ready(request: Request, model: str | None) -> GatewayState:
     s: GatewayState = request.app.state.gateway
     check_model(s, model)
-    if s.tokenizer is None:
+    if await s.load_tokenizer() is None:
         raise HTTPError(503, "the gateway has no tokenizer for this model (the router's model directory is not "
                         "on this host)", "service_unavailable_error", code="unavailable")
     return s
@@ -55,7 +55,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     """{"count", "max_model_len", "tokens"} (and "token_strs" with return_token_strs). Exactly one of
     `prompt` and `messages` (with `tools`, as a chat with tool_choice auto shows them); the ids are those the
     generation routes would run."""
-    s = _ready(request, body.model)
+    s = await _ready(request, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("prompt" if body.prompt is None else "messages",
                           "give exactly one of prompt (text) and messages (a chat)")
@@ -94,7 +94,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
     """{"prompt": text} of the ids, special tokens included (as vLLM's)."""
-    s = _ready(request, body.model)
+    s = await _ready(request, body.model)
     vocab = len(s.tokenizer)
     for i, t in enumerate(body.tokens):
         if not 0 <= t < vocab:
