@@ -64,7 +64,9 @@ class GatewayProcess:
     """The HTTP/WebSocket gateway in front of the router at `router_address`."""
 
     def __init__(self, router_address: str, http: HttpConfig, curve_dir: str | None = None,
-                 drain_s: float = 30.0) -> None:
+                 drain_s: float = 30.0, tokenizer: str | None = None) -> None:
+        """`tokenizer`: the model directory whose tokenizer /tokenize and /detokenize use, where the router's is
+        not on this host (default: the router's)."""
         from .gateway.main import API_KEY_ENV
 
         cfg = {k: v for k, v in http.to_dict().items() if k != "api_key"}
@@ -72,7 +74,8 @@ class GatewayProcess:
         if http.api_key:
             env[API_KEY_ENV] = http.api_key                 # not on the command line, where ps shows it
         argv = [sys.executable, "-m", "mii_async.gateway", "--router", router_address, "--config", json.dumps(cfg),
-                "--drain-timeout", str(drain_s)] + (["--curve-dir", curve_dir] if curve_dir else [])
+                "--drain-timeout", str(drain_s)] + (["--curve-dir", curve_dir] if curve_dir else []) \
+            + (["--tokenizer", tokenizer] if tokenizer else [])
         self.child, status = _start_with_status(argv, "gateway", 120.0, env=env)
         self.url: str = status["url"]
         self.pid = self.child.pid

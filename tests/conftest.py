@@ -50,8 +50,8 @@ def start_gateway(deployment):
 
     started = []
 
-    def start(**http):
-        gw = GatewayProcess(deployment.address, HttpConfig(**{"http_port": 0, **http}))
+    def start(tokenizer=None, **http):
+        gw = GatewayProcess(deployment.address, HttpConfig(**{"http_port": 0, **http}), tokenizer=tokenizer)
         started.append(gw)
         return gw
 

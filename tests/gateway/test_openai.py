@@ -355,22 +355,9 @@ def test_prompt_parts_are_rendered_once_from_the_chunks_texts():
 
 
 @pytest.fixture(scope="module")
-def blind_gateway_url(deployment, tmp_path_factory):
+def blind_gateway_url(start_gateway, tmp_path_factory):
     """A gateway whose own tokenizer is unavailable (--tokenizer names a directory that does not exist)."""
-    import json
-    import sys
-
-    from mii_async.config import HttpConfig
-    from mii_async.deployment import _start_with_status
-    from tests.mesh_helpers import wait_gone
-
-    cfg = {k: v for k, v in HttpConfig(http_port=0).to_dict().items() if k != "api_key"}
-    argv = [sys.executable, "-m", "mii_async.gateway", "--router", deployment.address, "--config", json.dumps(cfg),
-            "--tokenizer", str(tmp_path_factory.mktemp("blind") / "no-tokenizer-here")]
-    child, status = _start_with_status(argv, "gateway", 120.0)
-    yield status["url"]
-    child.stop(10.0)
-    assert not wait_gone([child.pid]), "the gateway was left behind"
+    return start_gateway(tokenizer=str(tmp_path_factory.mktemp("blind") / "no-tokenizer-here")).url
 
 
 def test_logprob_texts_come_from_the_router_without_the_gateways_tokenizer(blind_gateway_url, model, deployment,
@@ -409,3 +396,6 @@ def test_logprob_texts_come_from_the_router_without_the_gateways_tokenizer(blind
     for entry, x in zip(choice["prompt_logprobs"][1:], ref.prompt_logprobs[1:]):
         assert {k: v["decoded_token"] for k, v in entry.items()} == {str(i): tok.decode([i])
                                                                       for i in [x.token_id] + [i for i, _ in x.top]}
+    # the routes that need the gateway's own tokenizer say it has none (and the others above never asked)
+    r = httpx.post(f"{blind_gateway_url}/tokenize", timeout=60, json={"model": model, "prompt": "Paris"})
+    assert r.status_code == 503 and "no tokenizer" in r.text
