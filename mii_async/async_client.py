@@ -113,8 +113,9 @@ class AsyncClient:
         whether that prompt allows several calls per answer. An answer that is not guided keeps the markers
         where the tokenizer holds them as special tokens, unless `skip_special_tokens` is given. `fit_context`:
         max_new_tokens is lowered to the room the prompt leaves in the context and the KV pool."""
+        sp = SamplingParams.from_kwargs(**params)   # checked here, naming the parameter; the router checks again
         fields = _generate_fields(params, tools, parallel_tool_calls, fit_context)
-        async for d in self._deltas(prompt, params, fields):
+        async for d in self._deltas(prompt, sp, fields):
             yield _chunk(d)
 
     async def generate(self, prompts: Prompt | Sequence[Prompt], *, tools: list[dict] | None = None,
@@ -127,9 +128,9 @@ class AsyncClient:
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise InvalidParameterError("prompts", "must be a non-empty list of prompts")
-        SamplingParams.from_kwargs(**params)
+        sp = SamplingParams.from_kwargs(**params)   # once for every prompt
         fields = _generate_fields(params, tools, parallel_tool_calls, fit_context)
-        tasks = [asyncio.ensure_future(self._collect(p, params, fields)) for p in prompts]
+        tasks = [asyncio.ensure_future(self._collect(p, sp, fields)) for p in prompts]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
@@ -142,10 +143,10 @@ class AsyncClient:
         """The synchronous facade: `generate` run on the client's own loop thread; blocks until done."""
         return self.run(self.generate(prompts, **params))
 
-    async def _deltas(self, prompt: Prompt, params: dict[str, Any],
+    async def _deltas(self, prompt: Prompt, sp: SamplingParams,
                       fields: dict[str, Any] | None = None) -> AsyncIterator[P.Delta]:
-        """`fields`: the Generate's fields beside the prompt and params (_generate_fields, checked)."""
-        sp = SamplingParams.from_kwargs(**params)   # fail fast, naming the parameter; the router checks again
+        """`sp`: the caller's parameters, checked; `fields`: the Generate's fields beside the prompt and params
+        (_generate_fields, checked)."""
         conn = self._conn()
         req_id = str(next(self._ids))
         msg = P.Generate(req_id=req_id, params=sp.to_wire(), **(fields or {}))
@@ -190,12 +191,12 @@ class AsyncClient:
             if not done and not self._closed:
                 conn.send_later(P.Abort(req_id=req_id))
 
-    async def _collect(self, prompt: Prompt, params: dict[str, Any], fields: dict[str, Any]) -> Response:
+    async def _collect(self, prompt: Prompt, sp: SamplingParams, fields: dict[str, Any]) -> Response:
         text, ids, lps = [], [], []
         prompt_ids: list[int] = []
         prompt_lps: list[Logprob | None] | None = None
         last: P.Delta | None = None
-        async for d in self._deltas(prompt, params, fields):
+        async for d in self._deltas(prompt, sp, fields):
             text.append(d.text)
             ids.extend(d.token_ids)
             if d.logprobs:
@@ -207,11 +208,11 @@ class AsyncClient:
             last = d
         assert last is not None and last.finish_reason is not None, "stream ended without a finish reason"
         out = "".join(text)
-        if params.get("return_full_text") and isinstance(prompt, str):
+        if sp.return_full_text and isinstance(prompt, str):
             out = prompt + out
         usage = _usage(last.usage)
         return Response(out, usage.prompt_tokens if usage else len(prompt_ids), len(ids), last.finish_reason, ids,
-                        prompt_ids, lps if params.get("logprobs") is not None else None, usage, last.error,
+                        prompt_ids, lps if sp.logprobs is not None else None, usage, last.error,
                         prompt_lps)
 
     # -- the deployment ------------------------------------------------------------------------------
