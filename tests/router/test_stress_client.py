@@ -88,7 +88,7 @@ def test_closed_clients_release_their_descriptors(tiny_deployment):
             c = mii_async.client(tiny_deployment.address, timeout_s=10)
             asyncio.run(c.generate([[1, 6, i]], max_new_tokens=1))
             c.close()
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + 30.0
         while fds() > before + 8 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert fds() <= before + 8, f"{fds() - before} descriptors still open after 60 clients were closed"
@@ -113,7 +113,7 @@ def test_close_aborts_the_streams_it_leaves(tiny_deployment):
         c.close()
         results = await asyncio.gather(*tasks, return_exceptions=True)
         assert all(isinstance(r, mii_async.UnavailableError) for r in results), results
-        await _router_idle(tiny_deployment, 3.0)
+        await _router_idle(tiny_deployment, 30.0)
 
     asyncio.run(on_loop())
 
@@ -137,7 +137,7 @@ def test_close_aborts_the_streams_it_leaves(tiny_deployment):
     for t in threads:
         t.join(10)
     assert len(outcomes) == 4 and all(isinstance(o, mii_async.UnavailableError) for o in outcomes), outcomes
-    asyncio.run(_router_idle(tiny_deployment, 3.0))
+    asyncio.run(_router_idle(tiny_deployment, 30.0))
 
 
 async def _at_least(seen: list, n: int) -> bool:
@@ -153,19 +153,19 @@ def test_a_frame_too_large_is_refused_before_it_is_sent(tiny_deployment):
         try:
             other = asyncio.create_task(c.generate([[1, 5, 11]], max_new_tokens=200, ignore_eos=True))
             await asyncio.sleep(0.2)
-            t0 = time.monotonic()
             for prompt, param in (("word " * (4 << 20), "prompt"), ([1] * (5 << 20), "prompt"),
                                   ([{"role": "user", "content": "x" * (17 << 20)}], "messages")):
                 with pytest.raises(mii_async.RequestTooLongError, match="MiB") as e:
                     await c.generate([prompt], max_new_tokens=2)
                 assert e.value.param == param
-            assert time.monotonic() - t0 < 5.0
+            # Sent, any of them would have made the router drop this client's connection: `other` would end
+            # with "restarted" instead of its 200 tokens.
             [r] = await other
             assert r.finish_reason == "length" and r.generated_length == len(r.token_ids) == 200
             assert r.usage.completion_tokens == 200
         finally:
             c.close()
-        await _router_idle(tiny_deployment, 5.0)
+        await _router_idle(tiny_deployment, 30.0)
 
     asyncio.run(main())
 
@@ -222,7 +222,7 @@ def test_streams_given_up_on_a_stalled_router_are_aborted_there(tiny_deployment)
             assert all(isinstance(r, mii_async.UnavailableError) for r in results), results
             [r] = await c.generate([[1, 2, 3]], max_new_tokens=2)        # the client lives on
             assert r.generated_length == 2
-            await _router_idle(tiny_deployment, 5.0)
+            await _router_idle(tiny_deployment, 30.0)
         finally:
             c.close()
 

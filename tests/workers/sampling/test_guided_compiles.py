@@ -50,10 +50,8 @@ def test_a_slow_compile_nobody_waits_for_is_stopped(default_model_dir, monkeypat
         time.sleep(gc.ABANDON_AFTER_S + 0.5)
         assert not slow.done(), "the slow compile should still be running"
         compiler.release(slow)                                             # its request was aborted
-        t0 = time.monotonic()
-        with pytest.raises(Exception, match="no request waits"):
-            slow.result(timeout=30)
-        assert time.monotonic() - t0 < 5                                   # stopped, not run to its end
+        with pytest.raises(Exception, match="no request waits"):          # stopped: run to its end, it would
+            slow.result(timeout=30)                                        # have given its index
         index, _ = compiler.index(("guided_regex", "y[0-9]{2}")).result(timeout=120)
         assert index is not None
     finally:
