@@ -2,8 +2,7 @@
 
 `client` holds the client ⇄ router hop, `worker` the router ⇄ worker hop, `codec` the frame format, its
 limits and checks. Callers use the package: `from mii_async import protocol as P`, then
-`P.encode(P.Abort(req_id=...))`. Messages are built by keyword; the ones declared without kw_only are those
-still built positionally somewhere in the tree (tests/test_protocol.py's STILL_POSITIONAL names them).
+`P.encode(P.Abort(req_id=...))`. Every message is built by keyword only.
 """
 from __future__ import annotations
 
@@ -24,4 +23,5 @@ __all__ = ["ENGINE_COUNTERS", "MAX_BATCH_DELTAS", "MAX_FRAME_BYTES", "MAX_ITEMS"
            "PROTOCOL_VERSION", "Abort", "AbortRequest", "AddRequest", "Assign", "Delta", "DeltaBatch", "ErrorReply",
            "FrameTooLarge", "Generate", "Heartbeat", "Hello", "LoadFailed", "Message", "PromptLogprobs",
            "ProtocolError", "Query", "QueryReply", "Ready", "RequestFailed", "Shutdown", "StatsQuery", "StatsReport",
-           "StepTokens", "decode", "encode"]
+           "StepTokens", "decode", "encode",
+           "_TYPES"]   # every message type by name, for the fuzz tests
