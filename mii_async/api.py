@@ -32,7 +32,7 @@ def serve(model: str | None = None, *, replicas: int = 1, tensor_parallel: int |
     KV pool (the router logs its choice). `port=0` takes a free port (`client.address` says which).
     `enable_http=True` also starts the gateway (WebSocket, REST, OpenAI-compatible API, chat page, /health,
     /metrics) on `http_host:http_port` (0: a free port; `client.http_url` says which), with the gateway options
-    api_key (default: $MII_ASYNC_API_KEY), served_model_name, allowed_origins, ws_max_message_bytes,
+    api_key (default: $MII_ASYNC_API_KEY), served_model_name, allowed_hosts, allowed_origins, ws_max_message_bytes,
     ws_send_queue, ws_send_queue_bytes, ws_max_requests, ws_ping_s, max_body_bytes.
     Other keywords are deployment options (worker_host, worker_port, max_queued_requests, max_queued_tokens,
     heartbeat_s, heartbeat_timeout_s, client_timeout_s, drain_timeout_s, startup_timeout_s, restart_replicas,

@@ -106,7 +106,7 @@ def _serve(a: argparse.Namespace) -> int:
     if not a.no_http:
         http = HttpConfig(http_host=a.http_host, http_port=a.http_port, served_model_name=a.served_model_name,
                           api_key=a.api_key or os.environ.get(API_KEY_ENV) or None,
-                          allowed_origins=a.allowed_origin or ())
+                          allowed_origins=a.allowed_origin or (), allowed_hosts=_hosts(a))
         if http.http_port:                          # fail before the model loads, not after
             from .gateway.main import bind
 
@@ -216,7 +216,7 @@ def _gateway_config(a: argparse.Namespace) -> str:
     if a.api_key:
         os.environ[API_KEY_ENV] = a.api_key         # read by the gateway, kept off its config
     cfg = {"http_host": a.http_host, "http_port": a.http_port, "served_model_name": a.served_model_name,
-           "allowed_origins": a.allowed_origin or []}
+           "allowed_origins": a.allowed_origin or [], "allowed_hosts": _hosts(a)}
     HttpConfig(**cfg)
     return json.dumps(cfg)
 
@@ -228,8 +228,16 @@ def _http_args(p: argparse.ArgumentParser) -> None:
                    "(default: $MII_ASYNC_API_KEY; none: open)")
     p.add_argument("--served-model-name", default=None, help="the model's name in the OpenAI API")
     p.add_argument("--allowed-origin", action="append", default=None, metavar="ORIGIN",
-                   help="a web origin (https://app.example.com) whose pages may open the WebSocket, besides the "
-                   "gateway's own; repeatable; '*' for any")
+                   help="a web origin (https://app.example.com) whose pages may open the WebSocket, besides those of "
+                   "allowed hosts; repeatable; '*' for any")
+    p.add_argument("--allowed-hosts", action="append", default=None, metavar="NAMES",
+                   help="host names (comma-separated; repeatable) that requests may name in Host, besides loopback "
+                   "and the --http-host address: others are refused, against DNS rebinding; '*.example.com' for "
+                   "subdomains, '*' for any")
+
+
+def _hosts(a: argparse.Namespace) -> list[str]:
+    return [h.strip() for arg in a.allowed_hosts or () for h in arg.split(",") if h.strip()]
 
 
 def _worker(a: argparse.Namespace) -> int:

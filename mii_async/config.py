@@ -6,7 +6,9 @@ an unknown key is an error that names it.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -211,6 +213,25 @@ def _field_names(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
 
 
+_HOST_NAME = re.compile(r"[a-z0-9_]([a-z0-9_.-]*[a-z0-9_])?")
+
+
+def host_name(value: Any) -> str | None:
+    """A host name or address as the gateway compares them: lower case, IPv6 without brackets, addresses in
+    their canonical form, no trailing dot; None for anything else (a port, a scheme, a path, spaces)."""
+    if not isinstance(value, str) or not value:
+        return None
+    name = value.lower()
+    if name.startswith("[") and name.endswith("]"):
+        name = name[1:-1]
+    try:
+        return str(ipaddress.ip_address(name))
+    except ValueError:
+        pass
+    name = name[:-1] if name.endswith(".") else name
+    return name if _HOST_NAME.fullmatch(name) and ".." not in name else None
+
+
 def _pos_int(obj: Any, name: str, optional: bool = False) -> None:
     v = getattr(obj, name)
     if optional and v is None:
@@ -232,7 +253,10 @@ class HttpConfig:
     ws_max_requests: int = 256         # live requests per WebSocket connection
     ws_ping_s: float = 20.0            # WebSocket ping period; no pong within as long: closed
     max_body_bytes: int = 8 << 20      # a larger HTTP request body: 413
-    allowed_origins: tuple[str, ...] = ()  # WebSocket Origins allowed besides the gateway's own ("*": any)
+    allowed_origins: tuple[str, ...] = ()  # WebSocket Origins allowed besides those of allowed hosts ("*": any)
+    # Host names (or addresses, or "*.example.com") a request's Host may name besides loopback and the address
+    # the gateway is bound to: other names are refused (DNS rebinding). "*": any Host; Origins stay checked.
+    allowed_hosts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.http_host, str) or not self.http_host:
@@ -247,6 +271,23 @@ class HttpConfig:
             raise InvalidParameterError("allowed_origins", "must be a list of origins such as "
                                         "'https://app.example.com', or ['*']")
         object.__setattr__(self, "allowed_origins", tuple(o.rstrip("/") for o in origins))
+        hosts = (self.allowed_hosts,) if isinstance(self.allowed_hosts, str) else self.allowed_hosts
+        if not isinstance(hosts, (list, tuple)):
+            raise InvalidParameterError("allowed_hosts", f"must be a list of host names, got {hosts!r}")
+        names = []
+        for h in hosts:
+            if h == "*":
+                name = h
+            elif isinstance(h, str) and h.startswith("*."):       # any subdomain of a name
+                name = (suffix := host_name(h[2:])) and "*." + suffix
+            else:
+                name = host_name(h)
+            if not name:
+                raise InvalidParameterError("allowed_hosts", "each must be a host name or address without scheme "
+                                            "or port ('chat.example.com', '10.0.0.5', '*.example.com'), or '*'; "
+                                            f"got {h!r}")
+            names.append(name)
+        object.__setattr__(self, "allowed_hosts", tuple(names))
         for name in ("ws_max_message_bytes", "ws_send_queue", "ws_send_queue_bytes", "ws_max_requests",
                      "max_body_bytes"):
             _pos_int(self, name)

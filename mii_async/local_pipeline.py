@@ -18,7 +18,7 @@ from .errors import InvalidParameterError
 from .outputs import Response, StreamChunk
 from .params import SamplingParams
 from .text.chat_tools import keep_call_markers, keeping_markers
-from .text.prompts import PromptEncoder, is_messages, is_token_ids
+from .text.prompts import PromptEncoder, check_prompt_size, is_messages, is_token_ids
 from .text.request_state import RequestState
 
 Prompt = Any   # str | list[int] (token ids) | list[dict] (chat messages)
@@ -163,7 +163,9 @@ class Pipeline:
                  tools: list[dict] | None = None, parallel_tool_calls: bool = True) -> RequestState:
         """Tokenizes a text, a list of token ids or chat messages (with their tools); validation errors name
         `prompt`. `keep_logprobs`: the state gathers the logprobs for response() (a stream's chunks carry them
-        alone)."""
+        alone). A text or chat too long for any tokenizer to fit the context is refused before it is tokenized."""
+        limits = self._engine.engine.limits
+        check_prompt_size(prompt, tools, min(limits.max_model_len, limits.max_request_tokens))
         _, ids = self._encoder.encode(prompt, tools, parallel_tool_calls)
         self._engine.engine.check_request(ids, params)
         # return_full_text prepends a text prompt only, as the mesh client does (not a chat's rendered template)

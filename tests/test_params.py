@@ -30,6 +30,30 @@ def test_bad_sampling_value_names_the_parameter(name, value):
     assert info.value.param == name and name in str(info.value)
 
 
+INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "seed", "logprobs", "prompt_logprobs")
+BOOL_FIELDS = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "return_full_text", "do_sample")
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+@pytest.mark.parametrize("name,value", [(n, v) for n in INT_FIELDS for v in ("5", True, False, 5.0, [5])]
+                         + [(n, v) for n in BOOL_FIELDS for v in ("true", 1, 0, [True])]
+                         + [(n, v) for n in FLOAT_FIELDS for v in ("0.5", True)]
+                         + [("stop_token_ids", [True]), ("stop_token_ids", ["5"])])
+def test_types_are_strict(name, value):
+    """No coercion: a string, a boolean or a float for an integer, a number for a boolean, a string or a
+    boolean for a float is refused by name — what JSON callers (REST, WebSocket frames) send is taken as is."""
+    with pytest.raises(InvalidParameterError) as info:
+        SamplingParams.from_kwargs(**{name: value})
+    assert info.value.param == name
+
+
+def test_strict_types_accept_their_own():
+    p = SamplingParams.from_kwargs(max_new_tokens=5, min_new_tokens=1, top_k=3, seed=7, logprobs=2,
+                                   prompt_logprobs=0, ignore_eos=True, do_sample=False, temperature=1)
+    assert (p.max_new_tokens, p.top_k, p.seed, p.logprobs, p.prompt_logprobs, p.ignore_eos) == (5, 3, 7, 2, 0, True)
+    assert p.temperature == 1.0 and isinstance(p.temperature, float)
+
+
 def test_min_above_max_is_rejected():
     """min_new_tokens above max_new_tokens is an error naming min_new_tokens."""
     with pytest.raises(InvalidParameterError, match="min_new_tokens"):

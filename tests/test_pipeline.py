@@ -181,6 +181,26 @@ def test_request_errors_name_the_parameter(default_pipe):
     assert default_pipe("hi", max_new_tokens=2)[0].generated_length >= 1
 
 
+def test_a_prompt_no_tokenizer_could_fit_is_refused_before_it_is_encoded(default_pipe, monkeypatch):
+    """A text or chat of more than MAX_CHARS_PER_TOKEN characters a token of the context is refused naming
+    `prompt` or `messages` without reaching the tokenizer; the pipeline serves on."""
+    from mii_async.text.prompts import MAX_CHARS_PER_TOKEN
+
+    calls = []
+    encode = default_pipe._encoder.encode
+    monkeypatch.setattr(default_pipe._encoder, "encode", lambda *a, **k: calls.append(a[0]) or encode(*a, **k))
+    limits = default_pipe._engine.engine.limits
+    n = MAX_CHARS_PER_TOKEN * min(limits.max_model_len, limits.max_request_tokens) + 1
+    with pytest.raises(RequestTooLongError) as e:
+        default_pipe("a" * n, max_new_tokens=1)
+    assert e.value.param == "prompt" and f"{n} characters" in str(e.value)
+    with pytest.raises(RequestTooLongError) as e:
+        default_pipe.chat([{"role": "user", "content": "a" * (n - 1)}, {"role": "user", "content": "b"}])
+    assert e.value.param == "messages"
+    assert calls == []
+    assert default_pipe("hi", max_new_tokens=2)[0].generated_length >= 1 and calls == ["hi"]
+
+
 def test_model_errors(tmp_path):
     """Unknown names say what was tried; an unsupported model_type lists the supported ones."""
     with pytest.raises(ModelNotFoundError, match="tried"):

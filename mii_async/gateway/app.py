@@ -12,6 +12,7 @@ from starlette.requests import ClientDisconnect
 
 from .auth import APIKeyMiddleware
 from .body_limit import BodyLimitMiddleware
+from .host_check import AllowedHosts, HostCheckMiddleware
 from .http_errors import HTTPError, bad_request
 from .sse import ClientGone
 from .state import GatewayState
@@ -103,4 +104,7 @@ def create_app(state: GatewayState) -> FastAPI:
                        on_refuse=lambda path: state.metrics.refused(path, "request_too_large"))
     if state.config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=state.config.api_key)
+    # Added last, so outermost: a rebound name is refused before anything else answers it.
+    app.state.allowed_hosts = AllowedHosts(state.config.http_host, state.config.allowed_hosts)
+    app.add_middleware(HostCheckMiddleware, hosts=app.state.allowed_hosts)
     return app

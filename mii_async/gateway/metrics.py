@@ -8,12 +8,19 @@ blocks, replicas) are read from the router when /metrics is scraped.
     mii_async_e2e_request_latency_seconds{api}
     mii_async_requests_in_flight{api}               streams open in this gateway
     mii_async_queue_depth · mii_async_running_requests · mii_async_kv_blocks{state="used"|"free"|"cached"}
+                                                    over ready replicas: only when every one answered
+    mii_async_replica_kv_blocks{replica, state}     each replica that answered
     mii_async_replica_up{replica, state}            1 for each replica in its current state
+    mii_async_replica_stats_up{replica}             1: its stats are in this scrape; 0: it did not answer
     mii_async_prefix_cache_query_tokens_total{replica} · mii_async_prefix_cache_hit_tokens_total{replica}
                                                     prompt tokens looked up in / served from the prefix cache
     mii_async_preemptions_total{replica} · mii_async_engine_steps_total{replica}
 The last four are each ready replica's own counters as of the scrape (a restarted replica starts again at 0,
 which Prometheus' rate() reads as a counter reset).
+
+A replica busy in a long engine step may miss the router's stats deadline: its figures are then unknown, so
+its samples are absent and its stats_up is 0 — never zeros, which would read as an exhausted KV pool; the
+totals are absent too, since a partial sum would read as a smaller pool.
 """
 from __future__ import annotations
 
@@ -21,7 +28,7 @@ import time
 from typing import AsyncIterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..errors import error_code
 from ..outputs import StreamChunk
@@ -32,32 +39,69 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 240.0, 480.0)
 
 
-class _EngineCounters:
-    """Each replica's cumulative engine counters, as Prometheus counters, from the stats of the last scrape."""
-    FAMILIES = (("mii_async_prefix_cache_query_tokens", "prefix_query_tokens",
+class _DeploymentStats:
+    """The replicas' engine figures from the stats of the last scrape, as collected families: only those of
+    replicas that answered, so that an unanswered replica's are absent rather than stale or zero."""
+    COUNTERS = (("mii_async_prefix_cache_query_tokens", "prefix_query_tokens",
                  "Prompt tokens looked up in the prefix cache"),
                 ("mii_async_prefix_cache_hit_tokens", "prefix_hit_tokens", "Prompt tokens served from the prefix cache"),
                 ("mii_async_preemptions", "preemptions", "Running sequences preempted for lack of KV blocks"),
                 ("mii_async_engine_steps", "steps", "Engine steps run"))
+    TOTALS = (("mii_async_queue_depth", "waiting", "Requests waiting in the replicas' schedulers"),
+              ("mii_async_running_requests", "running", "Requests running in the replicas"))
+    KV_STATES = (("used_blocks", "used"), ("free_blocks", "free"), ("cached_blocks", "cached"))
 
     def __init__(self) -> None:
-        self.stats: dict | None = None
+        self.ready: list[str] = []          # the replicas health() calls ready: those asked for stats
+        self.stats: dict | None = None      # the router's stats() answer; None when it gave none
 
     def collect(self):
-        per = (self.stats or {}).get("replicas") or {}
-        for name, key, doc in self.FAMILIES:
-            fam = CounterMetricFamily(name, doc, labels=["replica"])
-            for replica, s in sorted(per.items()):
-                if isinstance(s.get(key), int):
-                    fam.add_metric([str(replica)], s[key])
+        stats = self.stats or {}
+        per = {str(k): v for k, v in (stats.get("replicas") or {}).items() if isinstance(v, dict)}
+        unanswered = {str(r) for r in stats.get("unanswered") or []}
+        asked = sorted(set(self.ready) | set(per) | unanswered, key=_replica_order)
+        answered = [r for r in asked if r in per]
+        # totals only from a full answer: with no replica, or one missing, they would read as a pool of 0 blocks
+        complete = bool(answered) and len(answered) == len(asked)
+        up = GaugeMetricFamily("mii_async_replica_stats_up", "1: the replica's stats are in this scrape; 0: it did "
+                               "not answer in time (its samples are absent)", labels=["replica"])
+        for replica in asked:
+            up.add_metric([replica], 1 if replica in per else 0)
+        yield up
+        kv = GaugeMetricFamily("mii_async_kv_blocks", "KV cache blocks over ready replicas (absent unless every "
+                               "one answered)", labels=["state"])
+        own = GaugeMetricFamily("mii_async_replica_kv_blocks", "KV cache blocks of a replica that answered",
+                                labels=["replica", "state"])
+        for key, state in self.KV_STATES:
+            if complete and isinstance(stats.get(key), int):
+                kv.add_metric([state], stats[key])
+            for replica in answered:
+                if isinstance(per[replica].get(key), int):
+                    own.add_metric([replica, state], per[replica][key])
+        yield kv
+        yield own
+        for name, key, doc in self.TOTALS:
+            fam = GaugeMetricFamily(name, doc + " (absent unless every ready replica answered)")
+            if complete and isinstance(stats.get(key), int):
+                fam.add_metric([], stats[key])
             yield fam
+        for name, key, doc in self.COUNTERS:
+            fam = CounterMetricFamily(name, doc, labels=["replica"])
+            for replica in answered:
+                if isinstance(per[replica].get(key), int):
+                    fam.add_metric([replica], per[replica][key])
+            yield fam
+
+
+def _replica_order(replica: str) -> tuple[int, str]:
+    return (int(replica), "") if replica.isdigit() else (1 << 30, replica)
 
 
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.engine_counters = _EngineCounters()
-        r.register(self.engine_counters)
+        self.deployment = _DeploymentStats()
+        r.register(self.deployment)
         self.requests = Counter("mii_async_requests", "Finished or refused requests", ["api", "status"], registry=r)
         self.prompt_tokens = Counter("mii_async_prompt_tokens", "Prompt tokens of finished requests", ["api"],
                                      registry=r)
@@ -70,11 +114,8 @@ class Metrics:
         self.e2e = Histogram("mii_async_e2e_request_latency_seconds", "Request start to its end", ["api"],
                              buckets=_E2E_BUCKETS, registry=r)
         self.in_flight = Gauge("mii_async_requests_in_flight", "Streams open in this gateway", ["api"], registry=r)
-        self.queue_depth = Gauge("mii_async_queue_depth", "Requests waiting in the replicas' schedulers", registry=r)
-        self.running = Gauge("mii_async_running_requests", "Requests running in the replicas", registry=r)
         self.router_live = Gauge("mii_async_router_live_requests", "Requests the router holds (all gateways)",
                                  registry=r)
-        self.kv_blocks = Gauge("mii_async_kv_blocks", "KV cache blocks over ready replicas", ["state"], registry=r)
         self.replica_up = Gauge("mii_async_replica_up", "1 for each replica in its state", ["replica", "state"],
                                 registry=r)
 
@@ -112,18 +153,15 @@ class Metrics:
             self.e2e.labels(api).observe(time.monotonic() - start)
 
     def observe_deployment(self, health: dict, stats: dict | None) -> None:
-        """Sets the deployment gauges from the router's health and (fresh) stats."""
+        """Sets the deployment gauges from the router's health and fresh stats (None: the router gave none, so
+        every ready replica's figures are unknown)."""
         self.router_live.set(health.get("live_requests", 0))
         self.replica_up.clear()
         for rep in health.get("replicas", []):
             self.replica_up.labels(str(rep.get("replica")), str(rep.get("state"))).set(1)
-        if stats is not None:
-            self.engine_counters.stats = stats
-            self.queue_depth.set(stats.get("waiting", 0))
-            self.running.set(stats.get("running", 0))
-            for key, state in (("used_blocks", "used"), ("free_blocks", "free"), ("cached_blocks", "cached")):
-                if key in stats:
-                    self.kv_blocks.labels(state).set(stats[key])
+        self.deployment.ready = [str(rep.get("replica")) for rep in health.get("replicas", [])
+                                 if rep.get("state") == "ready"]
+        self.deployment.stats = stats
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,21 +1,26 @@
 """Request bodies of the OpenAI-compatible routes (pydantic). Unknown fields are refused, as OpenAI does;
 fields that OpenAI defines but we do not implement are accepted only at their neutral value (checked in
-openai_params.py). The extensions after the OpenAI fields follow vLLM's names."""
+openai_params.py). The extensions after the OpenAI fields follow vLLM's names.
+
+Every model is strict, as OpenAI's API is: `"max_tokens": "5"`, `true` or `5.0` for an integer, and `1` or
+`"true"` for a boolean, are 400s naming the field, not coerced (an int is still a valid float)."""
 from __future__ import annotations
 
 from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict
 
+_STRICT = ConfigDict(extra="forbid", strict=True)
+
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
     include_usage: Optional[bool] = False
     continuous_usage_stats: Optional[bool] = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
     model: Optional[str] = None
     temperature: Optional[float] = None       # OpenAI's default: 1
     top_p: Optional[float] = None

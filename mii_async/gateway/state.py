@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -10,7 +9,7 @@ from typing import Any
 
 from ..async_client import AsyncClient
 from ..config import HttpConfig
-from ..errors import RequestTooLongError
+from ..text.prompts import check_prompt_size
 from .metrics import Metrics
 
 log = logging.getLogger("mii_async.gateway")
@@ -103,14 +102,11 @@ class GatewayState:
         return min(limits["max_model_len"], limits["max_request_tokens"]) if limits else None
 
     async def check_size(self, messages: list[dict[str, Any]], extra: Any = None) -> None:
-        """Refuses, before the router runs its template and tokenizer, a chat that cannot fit the context: no
-        tokenizer packs 64 characters a token. `extra`: what else the prompt shows (tools), counted as its JSON."""
+        """Refuses, before the request is sent, a chat that cannot fit the context (the router's own check on
+        arrival: text/prompts.check_prompt_size). `extra`: the tools the prompt shows."""
         context = await self._context()
-        if context is None:
-            return
-        chars = sum(len(m["content"]) for m in messages) + (len(json.dumps(extra)) if extra else 0)
-        if chars > 64 * context:
-            raise RequestTooLongError("messages", f"the prompt cannot fit the context of {context} tokens")
+        if context is not None:
+            check_prompt_size(messages, extra, context)
 
     def close(self) -> None:
         if self._init_task is not None:

@@ -25,7 +25,7 @@ router = APIRouter(route_class=CheckedRoute)
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)   # "5" or true for an int is a 400, as elsewhere
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[dict[str, Any]]] = None
@@ -36,7 +36,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)   # "5" or true for an int is a 400, as elsewhere
     model: Optional[str] = None
     tokens: list[int]
 

@@ -38,27 +38,24 @@ CLOSE_TOO_SLOW = 1013            # "try again later": the client did not read fa
 async def websocket_endpoint(ws: WebSocket) -> None:
     state: GatewayState = ws.app.state.gateway
     origin = ws.headers.get("origin")
-    if origin is not None and not origin_allowed(origin, ws.headers.get("host"), state.config.allowed_origins):
+    if origin is not None and not origin_allowed(origin, ws):
         # Browsers send Origin and let any page open a WebSocket anywhere: without this check, a page of
-        # another site could drive a gateway on the visitor's loopback. Tools that send no Origin are let in.
-        log.warning("refused a WebSocket from Origin %r (allowed: this gateway's own, %s)", origin,
-                    list(state.config.allowed_origins) or "no others")
+        # another site could drive a gateway on the visitor's loopback. The Host is no guide (a rebound name
+        # makes evil.example's Origin and Host agree), so the Origin must name an allowed host or be listed.
+        # Tools that send no Origin are let in.
+        log.warning("refused a WebSocket from Origin %r (allowed: loopback, this gateway's address, hosts %s, "
+                    "origins %s)", origin, list(state.config.allowed_hosts), list(state.config.allowed_origins))
         await ws.close(code=1008)             # before accept: the handshake is answered 403
         return
     await WsConnection(state, ws).run()
 
 
-def origin_allowed(origin: str, host: str | None, allowed: tuple[str, ...]) -> bool:
-    """Same origin (the Origin's host:port is the Host the browser connected to), or listed, or "*"."""
-    from urllib.parse import urlsplit
-
-    if "*" in allowed or origin.rstrip("/") in allowed:
+def origin_allowed(origin: str, ws: WebSocket) -> bool:
+    """Listed in allowed_origins (or "*" there), or an http(s) Origin whose host is an allowed host."""
+    listed = ws.app.state.gateway.config.allowed_origins
+    if "*" in listed or origin.rstrip("/") in listed:
         return True
-    try:
-        parts = urlsplit(origin)
-    except ValueError:
-        return False
-    return bool(host) and parts.scheme in ("http", "https") and parts.netloc.lower() == host.lower()
+    return ws.app.state.allowed_hosts.allows_origin(origin, ws.scope.get("server"))
 
 
 class _Overflow(Exception):

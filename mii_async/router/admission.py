@@ -2,12 +2,13 @@
 
 Two moments. On arrival (before the prompt is encoded): the deployment must be ready, fewer than
 `max_queued_requests` requests may be live, the sampling parameters must be valid, exactly one of prompt,
-prompt_ids and messages must be given, and tools only with messages. Once encoded (the prompt's ids are
-known): a replica must be ready, a request that asks to fit the context has max_new_tokens lowered to the room
-its prompt leaves, the request must fit the replicas' limits (vocabulary, context, KV pool), its prompt
-logprobs must fit one message, and its cost (prompt + max_new_tokens) must fit `max_queued_tokens` beside the
-queued ones. Each refusal is an exception from errors.py whose message names the parameter or the bound at
-fault. No state of its own.
+prompt_ids and messages must be given, tools only with messages, and a text or chat must not hold more characters
+than any tokenizer fits in the replicas' context (text/prompts.py's bound: encoding megabytes takes seconds,
+refusing them takes microseconds). Once encoded (the prompt's ids are known): a replica must be ready, a request
+that asks to fit the context has max_new_tokens lowered to the room its prompt leaves, the request must fit the
+replicas' limits (vocabulary, context, KV pool), its prompt logprobs must fit one message, and its cost (prompt +
+max_new_tokens) must fit `max_queued_tokens` beside the queued ones. Each refusal is an exception from errors.py
+whose message names the parameter or the bound at fault. No state of its own.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from ..errors import InvalidParameterError, OverloadedError, RequestTooLongError
 from ..packed import prompt_logprobs_bytes
 from ..params import SamplingParams
 from ..request_limits import RequestLimits
+from ..text.prompts import check_prompt_size
 
 Prompt = Any   # str | list[int] (token ids) | list[dict] (chat messages)
 
@@ -38,8 +40,9 @@ class Admission:
         self.max_queued_requests = max_queued_requests   # live requests, encoding ones included
         self.max_queued_tokens = max_queued_tokens       # dispatched requests' prompt + max_new_tokens, summed
 
-    def on_arrival(self, msg: P.Generate, state: str, live: int) -> Arrival:
-        """Checks a Generate before its prompt is encoded. `state`: the router's; `live`: its live requests."""
+    def on_arrival(self, msg: P.Generate, state: str, live: int, limits: RequestLimits | None) -> Arrival:
+        """Checks a Generate before its prompt is encoded. `state`: the router's; `live`: its live requests;
+        `limits`: the ready replicas' (None: none is ready, and the encoded request is refused for that)."""
         if state != "ready":
             raise UnavailableError(f"the deployment is {state}")
         if live >= self.max_queued_requests:
@@ -51,6 +54,8 @@ class Admission:
             raise InvalidParameterError("prompt", "give exactly one of prompt, prompt_ids and messages")
         if msg.tools is not None and msg.messages is None:
             raise InvalidParameterError("tools", "tools go with a chat: give the prompt as messages")
+        if limits is not None:
+            check_prompt_size(given[0], msg.tools, min(limits.max_model_len, limits.max_request_tokens))
         return Arrival(params, given[0])
 
     def on_encoded(self, ids: list[int], params: SamplingParams, limits: RequestLimits | None,

@@ -99,7 +99,7 @@ class RouterCore:
             self._refuse(peer, None, InvalidParameterError("req_id", f"{msg.req_id!r} is already live"))
             return None
         try:
-            arrival = self.admission.on_arrival(msg, self.state, len(self.requests))
+            arrival = self.admission.on_arrival(msg, self.state, len(self.requests), self.replicas.limits())
         except Exception as exc:  # noqa: BLE001 - a bad request is refused, never stops the loop
             self._refuse(peer, msg.req_id, _as_refusal(exc, msg.req_id))
             return None

@@ -3,16 +3,25 @@
 
 Used by the router (off its event loop) and by the local pipeline: the one place where a prompt becomes ids.
 Errors name the parameter: `prompt` for a value of the wrong kind, `messages[i]` for a malformed chat message,
-`tools[i]` for a malformed tool. Imports no torch.
+`tools[i]` for a malformed tool. `check_prompt_size` refuses, without tokenizing, a text or chat too long for any
+tokenizer to fit a context: the router (on arrival) and the local pipeline call it before encoding.
+Imports no torch.
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from ..errors import InvalidParameterError
+from ..errors import InvalidParameterError, RequestTooLongError
 from .chat_template import check_messages, render_template
 from .chat_tools import has_tool_calls, render_chat
 from .unicode_text import check_text
+
+
+# No tokenizer packs more characters than this into one token: a token stands for at most this many bytes (the
+# longest of SmolLM2's vocabulary, a newline and 80 spaces, stands for 81), and a character is at least one byte.
+# The margin covers vocabularies with longer runs and normalizers that compose a few characters into one.
+MAX_CHARS_PER_TOKEN = 256
 
 
 def is_token_ids(p: Any) -> bool:
@@ -28,6 +37,35 @@ def check_token_ids(ids: Any, param: str = "prompt") -> None:
 
 def is_messages(p: Any) -> bool:
     return isinstance(p, (list, tuple)) and bool(p) and all(isinstance(m, dict) for m in p)
+
+
+def prompt_chars(prompt: Any, tools: Any = None) -> int | None:
+    """The characters a prompt's text holds at least, counted without a tokenizer: a text's own; for a chat,
+    its messages' string contents and its tools' compact JSON (our tool section and most templates show
+    them whole). None for
+    token ids and for a value of another kind (the encoder names what is wrong with it)."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    if not is_messages(prompt):
+        return None
+    n = sum(len(c) for m in prompt if isinstance(c := m.get("content"), str))
+    if tools:
+        try:
+            n += len(json.dumps(tools, ensure_ascii=False, separators=(",", ":")))
+        except (TypeError, ValueError):
+            pass                                # not JSON: the encoder refuses these tools, naming them
+    return n
+
+
+def check_prompt_size(prompt: Any, tools: Any, context: int) -> None:
+    """Refuses a text or chat that no tokenizer fits in `context` tokens (more than MAX_CHARS_PER_TOKEN
+    characters a token) without tokenizing it: a tokenizer spends seconds on megabytes.
+    Raises RequestTooLongError naming `prompt` (a text) or `messages` (a chat)."""
+    n = prompt_chars(prompt, tools)
+    if n is not None and n > MAX_CHARS_PER_TOKEN * context:
+        param = "prompt" if isinstance(prompt, str) else "messages"
+        raise RequestTooLongError(param, f"{n} characters cannot fit the context of {context} tokens (no "
+                                  f"tokenizer packs more than {MAX_CHARS_PER_TOKEN} characters into a token)")
 
 
 class PromptEncoder:

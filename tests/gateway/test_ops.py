@@ -15,6 +15,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 import mii_async
+from mii_async.gateway.metrics import Metrics
 from tests.mesh_helpers import deployment_pids, kv_idle, until, wait_gone
 
 KEY = "s3cret-key-for-tests"
@@ -69,6 +70,9 @@ def test_health_and_metrics(gateway_url):
     assert delta("mii_async_e2e_request_latency_seconds_count", api="generate") == 2
     assert after[("mii_async_replica_up", (("replica", "0"), ("state", "ready")))] == 1
     assert after[("mii_async_kv_blocks", (("state", "free"),))] > 0
+    assert after[("mii_async_replica_stats_up", (("replica", "0"),))] == 1
+    assert after[("mii_async_replica_kv_blocks", (("replica", "0"), ("state", "free")))] \
+        == after[("mii_async_kv_blocks", (("state", "free"),))]
     assert ("mii_async_queue_depth", ()) in after and ("mii_async_requests_in_flight", (("api", "generate"),)) in after
     # the replicas' own counters: both prompts were looked up in the prefix cache, and steps ran
     queried = delta("mii_async_prefix_cache_query_tokens_total", replica="0")
@@ -76,6 +80,63 @@ def test_health_and_metrics(gateway_url):
     assert 0 <= delta("mii_async_prefix_cache_hit_tokens_total", replica="0") <= queried
     assert delta("mii_async_engine_steps_total", replica="0") >= 7
     assert ("mii_async_preemptions_total", (("replica", "0"),)) in after
+
+
+def _rendered(metrics: Metrics) -> dict[tuple[str, tuple], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(metrics.render().decode()) for s in fam.samples}
+
+
+def _replica_stats(used: int, free: int, steps: int) -> dict:
+    return {"num_blocks": used + free, "used_blocks": used, "free_blocks": free, "cached_blocks": 1, "running": 1,
+            "waiting": 2, "prefix_hit_tokens": 0, "prefix_query_tokens": 5, "preemptions": 0, "steps": steps}
+
+
+def test_metrics_of_a_replica_that_did_not_answer_are_absent():
+    """A replica busy in a long engine step misses the router's stats deadline: the router lists it under
+    `unanswered` and sums only the others. /metrics then shows it as unknown — replica_stats_up 0 and none of
+    its samples — and leaves out the totals (a partial sum, or the zeros of an unanswered query, would read
+    as a small or exhausted KV pool); the replica that answered keeps its own samples. Once every replica
+    answers, the totals are back."""
+    m = Metrics()
+    health = {"state": "ready", "live_requests": 1,
+              "replicas": [{"replica": 0, "state": "ready"}, {"replica": 1, "state": "ready"}]}
+    one = _replica_stats(used=3, free=61, steps=9)
+    partial = {"num_blocks": 64, "used_blocks": 3, "free_blocks": 61, "cached_blocks": 1, "running": 1, "waiting": 2,
+               "prefix_hit_tokens": 0, "prefix_query_tokens": 5, "preemptions": 0, "steps": 9,
+               "replicas": {"0": one}, "unanswered": [1]}
+    m.observe_deployment(health, partial)
+    got = _rendered(m)
+    assert got[("mii_async_replica_stats_up", (("replica", "0"),))] == 1
+    assert got[("mii_async_replica_stats_up", (("replica", "1"),))] == 0
+    assert got[("mii_async_replica_kv_blocks", (("replica", "0"), ("state", "free")))] == 61
+    assert not [k for k in got if k[0] in ("mii_async_kv_blocks", "mii_async_queue_depth", "mii_async_running_requests")]
+    assert not [k for k in got if ("replica", "1") in k[1] and k[0] != "mii_async_replica_stats_up"
+                and k[0] != "mii_async_replica_up"]
+    assert got[("mii_async_engine_steps_total", (("replica", "0"),))] == 9
+
+    # every replica silent (one replica, in a long step): the router's totals are its zeros — none is shown
+    m.observe_deployment({**health, "replicas": health["replicas"][:1]},
+                         {**dict.fromkeys(one, 0), "replicas": {}, "unanswered": [0]})
+    got = _rendered(m)
+    assert got[("mii_async_replica_stats_up", (("replica", "0"),))] == 0
+    assert not [k for k in got if "kv_blocks" in k[0] or k[0].startswith("mii_async_engine_steps")]
+    # the router gave no stats at all: the ready replicas are unknown, not stale
+    m.observe_deployment(health, None)
+    got = _rendered(m)
+    assert [got[("mii_async_replica_stats_up", (("replica", r),))] for r in "01"] == [0, 0]
+    assert not [k for k in got if "kv_blocks" in k[0] or k[0] == "mii_async_queue_depth"]
+
+    two = _replica_stats(used=5, free=59, steps=4)
+    m.observe_deployment(health, {"num_blocks": 128, "used_blocks": 8, "free_blocks": 120, "cached_blocks": 2,
+                                  "running": 2, "waiting": 4, "prefix_hit_tokens": 0, "prefix_query_tokens": 10,
+                                  "preemptions": 0, "steps": 13, "replicas": {"0": one, "1": two}, "unanswered": []})
+    got = _rendered(m)
+    assert got[("mii_async_kv_blocks", (("state", "used"),))] == 8
+    assert got[("mii_async_kv_blocks", (("state", "free"),))] == 120
+    assert got[("mii_async_queue_depth", ())] == 4 and got[("mii_async_running_requests", ())] == 2
+    assert got[("mii_async_replica_kv_blocks", (("replica", "1"), ("state", "used")))] == 5
+    assert [got[("mii_async_replica_stats_up", (("replica", r),))] for r in "01"] == [1, 1]
 
 
 def test_too_large_bodies_are_counted_and_head_of_the_page(gateway_url):

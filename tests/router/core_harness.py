@@ -18,7 +18,8 @@ class Harness:
     prompts are encoded by the real PromptEncoder."""
 
     def __init__(self, tokenizer, n: int = 1, *, max_queued_requests: int = 1024, max_queued_tokens: int = 1 << 21,
-                 state: str = "ready") -> None:
+                 state: str = "ready", context: int = CONTEXT) -> None:
+        self.context = context            # every replica's max_model_len and max_request_tokens
         self.replicas = ReplicaSet(1, "tcp://127.0.0.1:1", None)
         for i in range(n):
             self.add_replica(i)
@@ -26,11 +27,13 @@ class Harness:
                                tokenizer)
         self.core.state = state
         self.encoder = PromptEncoder(tokenizer)
+        self.encodes = 0                  # prompts handed to the encoder, as the shell hands them to its thread
 
     def add_replica(self, index: int) -> Replica:
         rep = Replica(index, 0, 1, local=False, state="ready")
         rep.workers[0] = WorkerInfo(f"w{index}", 0, 100 + index, "host", True,
-                                    {"vocab_size": VOCAB, "max_model_len": CONTEXT, "max_request_tokens": CONTEXT})
+                                    {"vocab_size": VOCAB, "max_model_len": self.context,
+                                     "max_request_tokens": self.context})
         self.replicas.replicas[index] = rep
         return rep
 
@@ -44,6 +47,7 @@ class Harness:
 
     def encode(self, job: Encode) -> None:
         """As the shell encodes: a prompt the encoder refuses refuses the request."""
+        self.encodes += 1
         try:
             text, ids = self.encoder.encode(job.prompt, job.tools, job.parallel_tool_calls)
         except Exception as exc:  # noqa: BLE001 - as server.py's _encode

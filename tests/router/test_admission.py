@@ -3,8 +3,11 @@ refused one is answered under its id with an error that names the parameter or t
 overload past max_queued_requests or max_queued_tokens, no replica ready)."""
 from __future__ import annotations
 
+import json
+
 from mii_async import protocol as P
 from mii_async.router.core import ToReplica
+from mii_async.text.prompts import MAX_CHARS_PER_TOKEN
 from tests.router.core_harness import CONTEXT, VOCAB, Harness, refusal
 
 
@@ -51,6 +54,33 @@ def test_bad_values_are_refused_naming_the_parameter(tokenizer):
         assert (e.req_id, e.code, e.param) == (f"r{i}", code, param), e
     assert len(h.core.requests) == 0 and h.core.requests.queued_tokens == 0
     assert h.core.counters["rejected"] == len(cases)
+
+
+def test_a_prompt_no_tokenizer_could_fit_is_refused_before_it_is_encoded(tokenizer):
+    """A text, or a chat's contents and tools' JSON, of more than MAX_CHARS_PER_TOKEN characters a token of the
+    context is refused on arrival as request_too_long naming `prompt` or `messages`, and never reaches the
+    encoder; one at the bound is still encoded."""
+    h = Harness(tokenizer, context=64)
+    bound = MAX_CHARS_PER_TOKEN * 64
+    tool = {"type": "function", "function": {"name": "w40"}}
+    tool_chars = len(json.dumps([tool], separators=(",", ":")))
+    over = [("prompt", dict(prompt="w5 " * (bound // 3) + "w6")),
+            ("messages", dict(messages=[{"role": "user", "content": "w5" * (bound // 4)},
+                                        {"role": "user", "content": "w6" * (bound // 4) + "w"}])),
+            ("messages", dict(messages=[{"role": "user", "content": "w" * (bound + 1 - tool_chars)}], tools=[tool]))]
+    for i, (param, fields) in enumerate(over):
+        assert h.core.client_message(b"c", P.Generate(req_id=f"r{i}", **fields)) is None
+        e = refusal(h.sends())
+        assert (e.req_id, e.code, e.param) == (f"r{i}", "request_too_long", param), e
+        assert f"{bound + 1} characters cannot fit the context of 64 tokens" in e.message
+    assert h.encodes == 0 and len(h.core.requests) == 0
+    at = [dict(prompt="w5 " * (bound // 3) + "w"), dict(messages=[{"role": "user", "content": "w5" * (bound // 2)}])]
+    for i, fields in enumerate(at):
+        job = h.core.client_message(b"c", P.Generate(req_id=f"a{i}", **fields))
+        assert job is not None and not h.sends()
+        h.encode(job)
+        h.sends()
+    assert h.encodes == 2
 
 
 def test_a_live_req_id_is_refused_without_ending_its_stream(tokenizer):
