@@ -44,7 +44,17 @@ class RequestLimits:
 
     @classmethod
     def from_dict(cls, d: dict) -> RequestLimits:
-        return cls(int(d["vocab_size"]), int(d["max_model_len"]), int(d["max_request_tokens"]))
+        """The limits a replica's Ready reported. A worker's message is checked like a client's: a missing or
+        non-positive-integer field is a ValueError naming it (the router then fails that worker, never itself)."""
+        if not isinstance(d, dict):
+            raise ValueError("info must be a map")
+        values = []
+        for name in ("vocab_size", "max_model_len", "max_request_tokens"):
+            v = d.get(name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"info.{name} must be a positive integer, got {v!r}")
+            values.append(v)
+        return cls(*values)
 
     def merge(self, other: RequestLimits) -> RequestLimits:
         """The limits that hold on both (replicas may size their KV pools differently)."""

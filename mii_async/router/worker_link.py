@@ -13,6 +13,7 @@ import time
 from typing import Any, Awaitable, Callable, NamedTuple
 
 from .. import protocol as P
+from ..request_limits import RequestLimits
 from ..transport import RouterSocket
 from .core import RouterCore
 from .replicas import Replica
@@ -81,6 +82,15 @@ class WorkerLink:
             if self.replicas.worker(peer.decode(errors="replace")) is None:
                 await self.sock.send(peer, P.Shutdown())   # e.g. its replica timed out while loading
                 return
+            found = self.replicas.worker(peer.decode(errors="replace"))
+            if found[1] == 0:                              # the leader's limits admit every request
+                try:
+                    RequestLimits.from_dict(msg.info)
+                except ValueError as exc:
+                    log.warning("worker %r sent a malformed Ready (%s): failing its replica", peer, exc)
+                    await self.sock.send(peer, P.Shutdown())
+                    await self.on_load_failed(found[0], f"its leader's Ready was malformed: {exc}")
+                    return
             rep = self.replicas.on_ready(peer.decode(errors="replace"), msg.info)
             if rep is not None:
                 self.core.replica_ready(rep)

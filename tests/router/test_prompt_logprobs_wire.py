@@ -23,8 +23,8 @@ LIMITS = {"vocab_size": 320, "max_model_len": 100_000, "max_request_tokens": 100
 class ScriptedWorker:
     """Joins the router as replica -1 → its own remote replica, and answers requests as a test tells it."""
 
-    def __init__(self, address: str) -> None:
-        self.name = f"{socket.gethostname()}:{os.getpid()}:scripted"
+    def __init__(self, address: str, info: dict | None = None, tag: str = "scripted") -> None:
+        self.name = f"{socket.gethostname()}:{os.getpid()}:{tag}"
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, self.name.encode())
@@ -32,7 +32,8 @@ class ScriptedWorker:
         self.sock.connect(address)
         self.send(P.Hello(worker=self.name, replica=-1, rank=0, pid=os.getpid(), host=socket.gethostname()))
         assign = self.recv(P.Assign)
-        self.send(P.Ready(replica=assign.replica, rank=0, info=dict(LIMITS)))
+        self.replica = assign.replica
+        self.send(P.Ready(replica=assign.replica, rank=0, info=dict(LIMITS) if info is None else info))
 
     def send(self, msg: P.Message) -> None:
         self.sock.send(P.encode(msg))
@@ -237,3 +238,24 @@ def test_prompt_logprobs_too_big_for_a_frame_are_refused(router):
     w.send(P.StepTokens(req_ids=[add.req_id], token_ids=[5], finish_reasons=["length"], cached_tokens=[0], logprobs=None, prompt_logprobs=[plps]))
     [r] = fut.result(60)
     assert len(r.prompt_logprobs) == len(prompt) and r.prompt_logprobs[-1] == Logprob(5, -2.0, [(5, -0.125)], 2)
+
+
+@pytest.mark.parametrize("info", [{k: v for k, v in LIMITS.items() if k != "max_model_len"},
+                                  {**LIMITS, "vocab_size": "320"}, {**LIMITS, "max_request_tokens": 0}])
+def test_a_malformed_ready_fails_that_worker_not_the_router(router, info):
+    """A worker whose Ready lacks a limit (or gives one that is not a positive integer) is told to shut down and
+    its replica is failed; the router still answers health, and the good replica still serves."""
+    client, worker = router
+    rogue = ScriptedWorker(client.run(client.health())["worker_address"], info=info, tag=f"rogue-{len(info)}")
+    try:
+        rogue.recv(P.Shutdown)
+
+        async def gone():
+            h = await client.health()
+            return all(r["replica"] != rogue.replica or r["state"] != "ready" for r in h["replicas"])
+        client.run(until(gone, 30, "the rogue replica to be failed"))
+        h = client.run(client.health())
+        assert [r["state"] for r in h["replicas"] if r["replica"] == worker.replica] == ["ready"]
+        assert h["limits"]["max_model_len"] == LIMITS["max_model_len"]
+    finally:
+        rogue.close()
