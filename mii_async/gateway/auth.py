@@ -8,10 +8,9 @@ OpenAI's error format — for a WebSocket, as the HTTP answer to its handshake.
 from __future__ import annotations
 
 import hmac
-import json
 from urllib.parse import parse_qs
 
-from .http_errors import HTTPError
+from .http_errors import HTTPError, refuse_scope
 
 _DENIED = HTTPError(401, "a valid API key is required: send 'Authorization: Bearer KEY'", "authentication_error",
                     None, "invalid_api_key")
@@ -42,17 +41,4 @@ class APIKeyMiddleware:
         if scope["type"] not in ("http", "websocket") or key_matches(presented_key(scope), self.api_key):
             await self.app(scope, receive, send)
             return
-        on_scope = scope["type"]
-        body = json.dumps(_DENIED.body()).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                   (b"www-authenticate", b"Bearer")]
-        if on_scope == "http":
-            await send({"type": "http.response.start", "status": 401, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
-        elif "websocket.http.response" in scope.get("extensions", {}):
-            await receive()                                        # websocket.connect
-            await send({"type": "websocket.http.response.start", "status": 401, "headers": headers})
-            await send({"type": "websocket.http.response.body", "body": body})
-        else:
-            await receive()
-            await send({"type": "websocket.close", "code": 1008, "reason": "a valid API key is required"})
+        await refuse_scope(_DENIED, scope, receive, send, "a valid API key is required")

@@ -12,11 +12,10 @@ page chose.
 from __future__ import annotations
 
 import ipaddress
-import json
 from urllib.parse import urlsplit
 
 from ..config import host_name
-from .http_errors import HTTPError
+from .http_errors import HTTPError, refuse_scope
 
 LOOPBACK_NAMES = frozenset({"localhost"})
 
@@ -83,15 +82,4 @@ class HostCheckMiddleware:
         err = HTTPError(400, f"the Host header {host!r} names no host this gateway serves: add the name to "
                         "allowed_hosts (mii-async serve --allowed-hosts NAME)", "invalid_request_error", None,
                         "invalid_host")
-        body = json.dumps(err.body()).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        if scope["type"] == "http":
-            await send({"type": "http.response.start", "status": 400, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
-        elif "websocket.http.response" in scope.get("extensions", {}):
-            await receive()                                        # websocket.connect
-            await send({"type": "websocket.http.response.start", "status": 400, "headers": headers})
-            await send({"type": "websocket.http.response.body", "body": body})
-        else:                                                      # a server without the extension: 403
-            await receive()
-            await send({"type": "websocket.close", "code": 1008, "reason": "Host not allowed"})
+        await refuse_scope(err, scope, receive, send, "Host not allowed")

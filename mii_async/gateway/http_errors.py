@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -35,6 +36,26 @@ class HTTPError(Exception):
         if self.status == 401:
             headers = {"WWW-Authenticate": "Bearer"}
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+async def refuse_scope(err: HTTPError, scope: dict, receive: Any, send: Any, close_reason: str) -> None:
+    """Answers an HTTP or WebSocket scope with `err` before the app sees it (the pure-ASGI middlewares: API key,
+    Host). A WebSocket handshake gets the same status and JSON body where the server supports ASGI's
+    websocket.http.response extension; elsewhere a close (1008, `close_reason`)."""
+    body = json.dumps(err.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if err.status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    if scope["type"] == "http":
+        await send({"type": "http.response.start", "status": err.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+        return
+    await receive()                                        # websocket.connect
+    if "websocket.http.response" in scope.get("extensions", {}):
+        await send({"type": "websocket.http.response.start", "status": err.status, "headers": headers})
+        await send({"type": "websocket.http.response.body", "body": body})
+    else:
+        await send({"type": "websocket.close", "code": 1008, "reason": close_reason})
 
 
 def bad_request(param: str | None, message: str) -> HTTPError:
