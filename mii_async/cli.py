@@ -99,6 +99,7 @@ def _serve(a: argparse.Namespace) -> int:
         replicas=a.replicas, tensor_parallel=a.tensor_parallel, host=a.host, port=a.port, worker_host=a.worker_host,
         worker_port=a.worker_port, max_queued_requests=a.max_queued_requests, drain_timeout_s=a.drain_timeout,
         curve_dir=a.curve_dir, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
+        quantization=a.quantization,
         **{k: v for k in ("kv_cache_memory", "gpu_memory_utilization", "max_batch_tokens", "max_mixed_batch_tokens",
                           "max_num_seqs", "step_token_multiple") if (v := getattr(a, k)) is not None},
         **({"cuda_graphs": False} if a.enforce_eager else {})))
@@ -106,7 +107,8 @@ def _serve(a: argparse.Namespace) -> int:
     if not a.no_http:
         http = HttpConfig(http_host=a.http_host, http_port=a.http_port, served_model_name=a.served_model_name,
                           api_key=a.api_key or os.environ.get(API_KEY_ENV) or None,
-                          allowed_origins=a.allowed_origin or (), allowed_hosts=_hosts(a))
+                          allowed_origins=a.allowed_origin or (), allowed_hosts=_hosts(a), **_limits(a),
+                          lenient_requests=a.lenient_requests)
         if http.http_port:                          # fail before the model loads, not after
             from .gateway.main import bind
 
@@ -116,12 +118,13 @@ def _serve(a: argparse.Namespace) -> int:
     stopping = threading.Event()
     watchers: list[threading.Thread] = []
     stopper: list = []                              # the router's own stop: a drain, never a cut-short one
+    keys: list[str] = []                            # the mesh's keys directory, once the router has it
 
     def start_gateway(router_address: str) -> None:
         from .deployment import GatewayProcess
 
         try:
-            gw = GatewayProcess(router_address, http, serve.curve_dir, serve.drain_timeout_s)
+            gw = GatewayProcess(router_address, http, keys[0], serve.drain_timeout_s)
         except Exception as exc:  # noqa: BLE001 - reported, then the deployment stops
             failed.append(str(exc))
             print(f"mii-async: the gateway could not start: {exc}", file=sys.stderr, flush=True)
@@ -131,8 +134,8 @@ def _serve(a: argparse.Namespace) -> int:
         key = " (API key required)" if http.api_key else ""
         print(f"mii-async: chat page at {gw.url}/ · OpenAI API at {gw.url}/v1 · WebSocket at "
               f"{gw.url.replace('http', 'ws', 1)}/v1/ws{key}", flush=True)
-        watch = threading.Thread(target=_keep_gateway, args=(gateway, router_address, http, serve, stopping, failed,
-                                                                stopper[0]),
+        watch = threading.Thread(target=_keep_gateway,
+                                 args=(gateway, router_address, http, serve, keys[0], stopping, failed, stopper[0]),
                                  name="mii_async-gateway-watch", daemon=True)
         watchers.append(watch)
         watch.start()
@@ -147,6 +150,7 @@ def _serve(a: argparse.Namespace) -> int:
               f"(workers join at {status['worker_address']})", flush=True)
         if a.status_json:
             print(json.dumps(status), flush=True)
+        keys.append(status["curve_dir"])
         if http is not None:
             address = status["address"].replace("tcp://0.0.0.0:", "tcp://127.0.0.1:")
             asyncio.get_running_loop().run_in_executor(None, start_gateway, address)
@@ -164,7 +168,7 @@ def _serve(a: argparse.Namespace) -> int:
     return 2 if failed else code
 
 
-def _keep_gateway(gateway: list, router_address: str, http, serve, stopping: threading.Event,
+def _keep_gateway(gateway: list, router_address: str, http, serve, keys_dir: str, stopping: threading.Event,
                   failed: list[str], stop) -> None:
     """Restarts the gateway on its port when it dies (it holds no state: a client of the router); if it dies
     within 10 s of each of three restarts running, the deployment stops (exit 2), so that a supervisor can
@@ -189,7 +193,7 @@ def _keep_gateway(gateway: list, router_address: str, http, serve, stopping: thr
         if stopping.wait(1.0):
             return
         try:
-            gateway.append(GatewayProcess(router_address, http, serve.curve_dir, serve.drain_timeout_s))
+            gateway.append(GatewayProcess(router_address, http, keys_dir, serve.drain_timeout_s))
         except Exception as exc:  # noqa: BLE001 - reported, then the deployment stops
             print(f"mii-async: the gateway could not restart: {exc}", file=sys.stderr, flush=True)
             break
@@ -216,7 +220,8 @@ def _gateway_config(a: argparse.Namespace) -> str:
     if a.api_key:
         os.environ[API_KEY_ENV] = a.api_key         # read by the gateway, kept off its config
     cfg = {"http_host": a.http_host, "http_port": a.http_port, "served_model_name": a.served_model_name,
-           "allowed_origins": a.allowed_origin or [], "allowed_hosts": _hosts(a)}
+           "allowed_origins": a.allowed_origin or [], "allowed_hosts": _hosts(a), **_limits(a),
+           "lenient_requests": a.lenient_requests}
     HttpConfig(**cfg)
     return json.dumps(cfg)
 
@@ -234,6 +239,35 @@ def _http_args(p: argparse.ArgumentParser) -> None:
                    help="host names (comma-separated; repeatable) that requests may name in Host, besides loopback "
                    "and the --http-host address: others are refused, against DNS rebinding; '*.example.com' for "
                    "subdomains, '*' for any")
+    p.add_argument("--lenient-requests", action="store_true",
+                   help="OpenAI routes: drop unknown request fields (a warning logged once per name) instead of "
+                   "refusing them with a 400, as vLLM does")
+    _limit_args(p)
+
+
+_LIMIT_FLAGS = (("header_timeout_s", "--header-timeout", float, "seconds a request's headers may take to arrive "
+                  "(from connect, or from a kept-alive request's first byte); then 408"),
+                ("max_header_bytes", "--max-header-bytes", int, "a larger request line + headers: 431"),
+                ("max_connections", "--max-connections", int, "open HTTP connections; a new one beyond: 503"),
+                ("max_connections_per_ip", "--max-connections-per-ip", int,
+                 "open HTTP connections per client address (a reverse proxy's clients share its address)"),
+                ("max_websockets", "--max-websockets", int, "open WebSockets; a new one beyond is closed (1013)"),
+                ("max_websockets_per_ip", "--max-websockets-per-ip", int, "open WebSockets per client address"),
+                ("ws_idle_timeout_s", "--ws-idle-timeout", float,
+                 "seconds a WebSocket may go without a client message or live request; then closed (1001)"))
+
+
+def _limit_args(p: argparse.ArgumentParser) -> None:
+    """The gateway's connection limits (HttpConfig fields, docs/gateway.md "Limits"); unset: its defaults."""
+    from .config import HttpConfig
+
+    for field, flag, kind, text in _LIMIT_FLAGS:
+        p.add_argument(flag, type=kind, default=None, dest=field,
+                       help=f"{text} (default: {getattr(HttpConfig, field):g})")
+
+
+def _limits(a: argparse.Namespace) -> dict[str, Any]:
+    return {field: v for field, *_ in _LIMIT_FLAGS if (v := getattr(a, field)) is not None}
 
 
 def _hosts(a: argparse.Namespace) -> list[str]:
@@ -247,10 +281,11 @@ def _worker(a: argparse.Namespace) -> int:
 
 
 def _keys(a: argparse.Namespace) -> int:
-    from .transport import make_curve_keys
+    from .mesh_keys import make_keys
 
-    make_curve_keys(a.dir, force=a.force)
-    print(f"mii-async: CURVE keys written to {a.dir} (server.key*, client.key*, authorized/client.key)")
+    make_keys(a.dir, force=a.force)
+    print(f"mii-async: CURVE keys written to {a.dir} (server, client, operator and worker pairs: "
+          "see docs/mesh.md for who needs which)")
     return 0
 
 
@@ -269,10 +304,14 @@ def _serve_parser(sub: Any) -> None:
     s.add_argument("--worker-port", type=int, default=0)
     s.add_argument("--max-queued-requests", type=int, default=1024)
     s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds live requests get on SIGTERM")
-    s.add_argument("--curve-dir", default=None, help="CURVE keys from `mii-async keys DIR` (needed off loopback)")
+    s.add_argument("--curve-dir", default=None, help="the mesh's CURVE keys (`mii-async keys DIR`); default: "
+                   "keys made for this deployment, which local clients of this user find by port")
     s.add_argument("--dtype", default="auto")
     s.add_argument("--device", default="auto")
     s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: linear weights in FP8 e4m3, quantized at load (an FP8 checkpoint loads as FP8 "
+                        "without it; docs/quantization.md)")
     s.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for each replica's KV pool (CPU)")
     s.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="GPU: the share of the device a replica may use (default 0.9)")
@@ -325,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     from .bench.serving import build_parser as bench_parser
 
     bench_parser(sub.add_parser("bench", help="a serving benchmark: latency, throughput, goodput, plots"))
-    k = sub.add_parser("keys", help="make CURVE key pairs for a deployment that leaves loopback")
+    k = sub.add_parser("keys", help="make the CURVE key pairs of a deployment whose clients or workers run as "
+                       "other users or on other hosts")
     k.add_argument("dir")
     k.add_argument("--force", action="store_true", help="replace keys already in DIR")
     k.set_defaults(func=_keys)

@@ -1,7 +1,14 @@
 """A client's connection per event loop: one DEALER socket to the router, the task that reads it and routes
-each message to its stream's queue or its query's future, and the pinger that tells a silent router from a
-busy one. AsyncClient (async_client.py) holds one per loop that uses it; the connection knows the client only
-through its ConnectionConfig and the ZeroMQ context it shares."""
+each message to its stream's queue or its query's future, the pinger that tells a silent router from a
+busy one, and the watcher of the socket's connection events. AsyncClient (async_client.py) holds one per loop
+that uses it; the connection knows the client only through its ConnectionConfig and the ZeroMQ context it
+shares.
+
+Liveness, two ways. A router that exits (crashed, killed, stopped) closes its TCP connection: libzmq reports
+the disconnect at once, and every open stream and query fails with UnavailableError, as does every new request
+until a router answers on the address again (libzmq reconnects by itself; its handshake ends the outage). A
+router that hangs keeps the connection open: pings unanswered for `liveness_timeout_s` fail what is
+outstanding."""
 from __future__ import annotations
 
 import asyncio
@@ -13,6 +20,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Awaitable, TypeVar
 
+import zmq
 import zmq.asyncio
 
 from . import protocol as P
@@ -22,6 +30,7 @@ from .transport import DealerSocket
 log = logging.getLogger("mii_async.client")
 T = TypeVar("T")
 ABORT_LINGER_S = 1.0       # how long a closed connection's last Aborts may take to leave
+DRAIN_S = 0.5              # on a disconnect, how long what the router sent before it may take to be read
 
 
 @dataclass(frozen=True)
@@ -30,13 +39,22 @@ class ConnectionConfig:
     address: str                   # the router's clients' socket, "tcp://host:port"
     curve_dir: str | None = None   # CURVE keys (`mii-async keys DIR`); None: no encryption
     ping_s: float = 2.0            # ping period while requests are outstanding
-    timeout_s: float = 30.0        # a router silent this long fails what is outstanding; also bounds each send
+    timeout_s: float = 30.0        # the longest a request waits on a router that does not answer; bounds each send
+    # Pings unanswered this long (capped by timeout_s) fail what is outstanding: the router hangs, or its host
+    # or the network went away without closing the connection (an exited router is seen at once, by the
+    # disconnect). Several ping periods, so that a router loop busy for a moment is not taken for dead.
+    liveness_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
-        for name in ("ping_s", "timeout_s"):
+        for name in ("ping_s", "timeout_s", "liveness_timeout_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise InvalidParameterError(name, f"must be a positive number of seconds, got {v!r}")
+
+    @property
+    def silence_s(self) -> float:
+        """How long a router may be silent, while requests are outstanding, before they fail."""
+        return min(self.timeout_s, self.liveness_timeout_s)
 
 
 class Lost(Exception):
@@ -51,11 +69,16 @@ class Connection:
         that will use it."""
         self.config, self.loop = config, loop
         self.sock = DealerSocket(ctx, config.address, identity=f"c-{uuid.uuid4().hex}".encode(),
-                                 curve_dir=config.curve_dir)
+                                 curve_dir=config.curve_dir, monitored=True)
         self.streams: dict[str, asyncio.Queue] = {}
         self.queries: dict[str, asyncio.Future] = {}
         self.last_heard = time.monotonic()
         self.busy_since = time.monotonic()
+        # Why the router counts as gone (its connection closed, or it refused ours): every request fails with
+        # this at once until a connection to it completes a handshake again. None: reachable, or not known yet
+        # (a client made before its router is up waits for it, as a request sent then does).
+        self.down: str | None = None
+        self._refused = asyncio.Event()       # a handshake was refused: _look_for_keys looks for new keys
         # Each stream's place in the order of sends, once its request is sent; each ping in flight's place:
         # a ping's answer lists the requests the router holds for us, so a stream sent before the ping and
         # missing from the list is one the router lost (it restarted on the same address).
@@ -66,10 +89,22 @@ class Connection:
         self._missed: dict[str, int] = {}     # pings in a row whose answer left a stream out
         self._told: set[str] = set()          # streams given their Lost (once: one nobody reads would pile them)
         self._bg: dict[asyncio.Task, P.Message] = {}   # `send_later`'s sends in flight, and what each sends
-        self.tasks = [loop.create_task(self._read()), loop.create_task(self._ping())]
+        self.tasks = [loop.create_task(self._read()), loop.create_task(self._ping()), loop.create_task(self._watch()),
+                      loop.create_task(self._look_for_keys())]
 
     def outstanding(self) -> bool:
         return bool(self.streams or self.queries)
+
+    def check_up(self) -> None:
+        """Raises UnavailableError, before anything is sent, while the router is known to be gone."""
+        if self.down is not None:
+            raise UnavailableError(self.down)
+
+    def mark_down(self, err: str) -> None:
+        """The router is gone (`err` says how): what is outstanding fails now, and every request after it at
+        once, until a connection to a router on the address completes its handshake."""
+        self.down = err
+        self.fail_all(err)
 
     def _start_request(self) -> None:
         if not self.outstanding():
@@ -169,13 +204,51 @@ class Connection:
         pending: asyncio.Task | None = None
         while True:
             await asyncio.sleep(c.ping_s)
-            if not self.outstanding():
+            if not self.outstanding() or self.down is not None:   # (a ping now would wait for the next router)
                 continue
-            if time.monotonic() - max(self.last_heard, self.busy_since) > c.timeout_s:
-                self.fail_all(f"the router at {c.address} has not answered for {c.timeout_s:g} s")
+            if time.monotonic() - max(self.last_heard, self.busy_since) > c.silence_s:
+                self.fail_all(f"the router at {c.address} has not answered for {c.silence_s:g} s")
                 continue
             if pending is None or pending.done():     # a send blocks while no connection is up
                 pending = self.loop.create_task(self._send_ping())
+
+    async def _watch(self) -> None:
+        address = self.config.address
+        async for event in self.sock.events():
+            if event == "up":
+                if self.down is not None:
+                    log.info("the router at %s answers again", address)
+                self.down = None
+                self.last_heard = time.monotonic()
+            elif event == "refused" and self.sock.refresh_credentials():
+                log.info("the deployment at %s has new keys: reconnecting with them", address)
+            elif event == "refused":
+                self._refused.set()
+                self.mark_down(f"the router at {address} refused this client's connection: the handshake "
+                               "failed (CURVE keys it does not accept, or encryption on one side only)")
+            elif self.down is None:
+                # What the router sent before it went is read first: a stream whose last chunk arrived
+                # just before the disconnect ends as it should, not as lost.
+                deadline = time.monotonic() + DRAIN_S
+                while self.sock.pending() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.005)
+                if self.down is None:
+                    log.info("the router at %s closed its connection", address)
+                    self.mark_down(f"the router at {address} is not answering: its connection closed (the "
+                                   "router exited or restarted)")
+
+    async def _look_for_keys(self) -> None:
+        """After a refused handshake, looks for the deployment's keys again every second while the router
+        counts as gone: a deployment restarted on the address publishes its new keys just after it binds, so the
+        first look may come too early (libzmq does not retry a refused handshake by itself)."""
+        while True:
+            await self._refused.wait()
+            self._refused.clear()
+            while self.down is not None:
+                await asyncio.sleep(1.0)
+                if self.sock.refresh_credentials():
+                    log.info("the deployment at %s has new keys: reconnecting with them", self.config.address)
+                    break
 
     def fail_all(self, err: str) -> None:
         self._ping_marks.clear()
@@ -187,7 +260,9 @@ class Connection:
         self.queries.clear()
 
     async def send(self, msg: P.Message) -> None:
-        """Sends, or raises UnavailableError when no connection to the router comes up within timeout_s."""
+        """Sends, or raises UnavailableError at once while the router is known to be gone (check_up), or when
+        no connection to it comes up within timeout_s."""
+        self.check_up()
         try:
             await within(self.sock.send(msg), self.config.timeout_s)
         except asyncio.TimeoutError:

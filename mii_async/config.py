@@ -15,6 +15,7 @@ from typing import Any
 from .errors import InvalidParameterError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("fp8",)
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 
 
@@ -34,6 +35,9 @@ class ModelConfig:
     cuda_graphs: bool = True           # on a GPU, replay decode steps from CUDA graphs (False: always eager)
     piecewise_graphs: bool = True      # with cuda_graphs: steps with prompt chunks replay their layers' dense
                                        # parts from graphs, attention eager between them
+    quantization: str | None = None    # "fp8": the linear weights in FP8 e4m3, quantized at load per output
+                                       # channel (docs/quantization.md); None: as the checkpoint holds them (an
+                                       # FP8 checkpoint's quantization_config is followed either way)
 
     def __post_init__(self) -> None:
         dt = _DTYPE_ALIASES.get(str(self.dtype), str(self.dtype))
@@ -49,6 +53,9 @@ class ModelConfig:
             raise InvalidParameterError("cuda_graphs", f"must be true or false, got {self.cuda_graphs!r}")
         if not isinstance(self.piecewise_graphs, bool):
             raise InvalidParameterError("piecewise_graphs", f"must be true or false, got {self.piecewise_graphs!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise InvalidParameterError("quantization", f"must be one of {', '.join(QUANTIZATIONS)} or None, "
+                                        f"got {self.quantization!r}")
 
 
 @dataclass(frozen=True)
@@ -257,6 +264,16 @@ class HttpConfig:
     # Host names (or addresses, or "*.example.com") a request's Host may name besides loopback and the address
     # the gateway is bound to: other names are refused (DNS rebinding). "*": any Host; Origins stay checked.
     allowed_hosts: tuple[str, ...] = ()
+    # Slow and idle clients (gateway/connection_limits.py, gateway/ws_limits.py); each refusal closes the connection.
+    header_timeout_s: float = 10.0     # a request's headers not all in by then (from connect, or first byte): 408
+    max_header_bytes: int = 64 << 10   # a larger request line + headers: 431
+    max_connections: int = 2048        # open HTTP connections (WebSockets not counted); a new one beyond: 503
+    max_connections_per_ip: int = 512  # the same per client address (above the total: never acts)
+    max_websockets: int = 1024         # open WebSockets; a new one beyond is closed with 1013 after its handshake
+    max_websockets_per_ip: int = 256   # the same per client address
+    ws_idle_timeout_s: float = 300.0   # a WebSocket without a client message or live request this long: 1001
+    lenient_requests: bool = False     # OpenAI routes: an unknown request field is dropped, with a warning logged
+                                       # once per name (vLLM's behaviour), instead of refused with a 400
 
     def __post_init__(self) -> None:
         if not isinstance(self.http_host, str) or not self.http_host:
@@ -289,10 +306,15 @@ class HttpConfig:
             names.append(name)
         object.__setattr__(self, "allowed_hosts", tuple(names))
         for name in ("ws_max_message_bytes", "ws_send_queue", "ws_send_queue_bytes", "ws_max_requests",
-                     "max_body_bytes"):
+                     "max_body_bytes", "max_header_bytes", "max_connections", "max_connections_per_ip",
+                     "max_websockets", "max_websockets_per_ip"):
             _pos_int(self, name)
-        if isinstance(self.ws_ping_s, bool) or not isinstance(self.ws_ping_s, (int, float)) or self.ws_ping_s <= 0:
-            raise InvalidParameterError("ws_ping_s", f"must be a positive number of seconds, got {self.ws_ping_s!r}")
+        if not isinstance(self.lenient_requests, bool):
+            raise InvalidParameterError("lenient_requests", "must be true or false")
+        for name in ("ws_ping_s", "header_timeout_s", "ws_idle_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+                raise InvalidParameterError(name, f"must be a positive number of seconds, got {v!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -45,6 +45,7 @@ class RouterProcess:
                                                 "router", serve.startup_timeout_s + 60)
         self.status = status
         self.address: str = status["address"].replace("tcp://0.0.0.0:", "tcp://127.0.0.1:")
+        self.curve_dir: str = status["curve_dir"]     # the mesh's keys (mesh_keys.py): the operator's among them
         self.pid = self.child.pid
 
     def wait(self, timeout_s: float) -> bool:

@@ -55,6 +55,10 @@ class UnavailableError(MIIAsyncError, ConnectionError):
     """The deployment cannot take the request now: starting, draining, no live replica, or unreachable."""
 
 
+class PermissionDeniedError(MIIAsyncError, PermissionError):
+    """The caller's credentials do not allow this (a control message from a client key)."""
+
+
 # The codes that travel in protocol.ErrorReply, and the class each one raises at the caller.
 ERROR_CODES: dict[str, type[MIIAsyncError]] = {
     "invalid_parameter": InvalidParameterError,
@@ -65,6 +69,7 @@ ERROR_CODES: dict[str, type[MIIAsyncError]] = {
     "unavailable": UnavailableError,
     "generation_failed": GenerationError,
     "bad_frame": MIIAsyncError,
+    "permission_denied": PermissionDeniedError,
 }
 
 

@@ -6,20 +6,25 @@ counted in `bad_frames` and handed to the caller as a ProtocolError, so the rece
 Concurrency: one task may receive while others send; sends are serialised by zmq.asyncio. Closing: `close()`
 drops unsent frames. `SyncDealerSocket` is the blocking twin for worker processes, whose loop is not asyncio.
 
-CURVE (`curve_dir`, made by `mii-async keys DIR`): a RouterSocket is a CURVE server with DIR/server.key_secret
-and accepts only the public keys in DIR/authorized/ (through `start_authenticator`); a DealerSocket is a client
-with DIR/client.key_secret that trusts DIR/server.key. Both sides then encrypt and authenticate every frame.
+CURVE (mesh_keys.py says who holds which key): a RouterSocket given a keys directory is a CURVE server whose
+authenticator (ZAP, `start_authenticator`) admits only the roles allowed on its domain ("clients",
+"workers"), and each Received carries the sender's role. A DealerSocket presents one role's credentials: those
+of `curve_dir`, or of the keys directory this user's deployment at that address published; with neither it
+connects in the clear, which a deployment refuses.
 """
 from __future__ import annotations
 
-import os
+import logging
+from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
 import zmq
 import zmq.asyncio
 
-from . import protocol
+from . import mesh_keys, protocol
 from .protocol import Message, ProtocolError
+
+log = logging.getLogger("mii_async.transport")
 
 
 def _configure(sock: zmq.Socket) -> None:
@@ -32,92 +37,84 @@ def _configure(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.RCVHWM, 0)
 
 
-def _curve_file(curve_dir: str, name: str) -> str:
-    path = os.path.join(curve_dir, name)
-    if not os.path.isfile(path):
-        from .errors import InvalidParameterError
-
-        raise InvalidParameterError("curve_dir", f"{path} is missing; make the keys with `mii-async keys {curve_dir}`")
-    return path
-
-
-def _curve_server(sock: zmq.Socket, curve_dir: str) -> None:
-    import zmq.auth
-
-    public, secret = zmq.auth.load_certificate(_curve_file(curve_dir, "server.key_secret"))
+def _curve_server(sock: zmq.Socket, keys_dir: str, domain: str) -> None:
+    public, secret = mesh_keys.server_pair(keys_dir)
     sock.curve_publickey, sock.curve_secretkey, sock.curve_server = public, secret, True
+    sock.zap_domain = domain.encode()          # which roles the authenticator admits here (mesh_keys.ALLOWED_ROLES)
 
 
-def _curve_client(sock: zmq.Socket, curve_dir: str) -> None:
-    import zmq.auth
-
-    server_public, _ = zmq.auth.load_certificate(_curve_file(curve_dir, "server.key"))
-    public, secret = zmq.auth.load_certificate(_curve_file(curve_dir, "client.key_secret"))
-    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_public, public, secret
+def _curve_client(sock: zmq.Socket, creds: mesh_keys.Credentials) -> None:
+    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = creds.server_public, creds.public, creds.secret
 
 
-def make_curve_keys(curve_dir: str, force: bool = False) -> None:
-    """Writes a server and a client key pair into `curve_dir` and authorizes the client's public key. Keys
-    already there are kept (InvalidParameterError naming `dir`) unless `force`: new ones would lock out every
-    worker and client that holds the old."""
-    import shutil
-
-    import zmq.auth
-
-    from .errors import InvalidParameterError
-
-    there = [n for n in ("server.key", "server.key_secret", "client.key", "client.key_secret")
-             if os.path.exists(os.path.join(curve_dir, n))]
-    if there and not force:
-        raise InvalidParameterError("dir", f"{curve_dir} already holds keys ({', '.join(there)}); new ones would "
-                                    "lock out the workers and clients that use them (--force replaces them)")
-    os.makedirs(os.path.join(curve_dir, "authorized"), exist_ok=True)
-    zmq.auth.create_certificates(curve_dir, "server")
-    zmq.auth.create_certificates(curve_dir, "client")
-    shutil.copy(os.path.join(curve_dir, "client.key"), os.path.join(curve_dir, "authorized", "client.key"))
-    for name in ("server.key_secret", "client.key_secret"):
-        os.chmod(os.path.join(curve_dir, name), 0o600)
-
-
-def start_authenticator(ctx: zmq.asyncio.Context, curve_dir: str) -> Any:
-    """Accepts CURVE clients whose public key is in `curve_dir`/authorized; call `.stop()` when done."""
+def start_authenticator(ctx: zmq.asyncio.Context, keys_dir: str) -> Any:
+    """ZAP for the router's sockets: admits a CURVE peer whose public key is one of `keys_dir`'s roles allowed
+    on that socket's domain, and stamps its messages with the role (their User-Id). Call `.stop()` when done."""
     from zmq.auth.asyncio import AsyncioAuthenticator
+    from zmq.utils import z85
 
-    auth = AsyncioAuthenticator(ctx)
+    roles = mesh_keys.roles_by_key(keys_dir)
+
+    class Roles:
+        def callback(self, domain: str, key: bytes) -> bool:
+            role = roles.get(key)
+            if role is None or role not in mesh_keys.ALLOWED_ROLES.get(domain, ()):
+                log.warning("refused a CURVE peer on the %s socket (%s)", domain,
+                            f"a {role}'s key" if role else "an unknown key")
+                return False
+            return True
+
+    class MeshAuthenticator(AsyncioAuthenticator):
+        def curve_user_id(self, client_public_key: bytes) -> str:
+            return roles.get(z85.encode(client_public_key), "")
+
+    auth = MeshAuthenticator(ctx)
     auth.start()
-    auth.configure_curve(domain="*", location=os.path.join(curve_dir, "authorized"))
+    for domain in mesh_keys.ALLOWED_ROLES:
+        auth.configure_curve_callback(domain, Roles())
     return auth
 
 
 class Received(NamedTuple):
     peer: bytes                            # the sender's routing id (ROUTER sockets), b"" otherwise
     message: Message | ProtocolError       # the message, or why its frame was refused
+    role: str = ""                         # the role its CURVE key holds (mesh_keys.ROLES); "" without CURVE
 
 
 class RouterSocket:
     """A bound ROUTER socket: many peers, each addressed by its routing id."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, curve_dir: str | None = None) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, keys_dir: str | None = None,
+                 domain: str = "clients") -> None:
+        """`keys_dir`: CURVE with the server's pair from it, admitting the roles of `domain` (the context
+        needs `start_authenticator`); None: in the clear (a socket in a test of this module)."""
         self._sock = ctx.socket(zmq.ROUTER)
         _configure(self._sock)
-        if curve_dir:
-            _curve_server(self._sock, curve_dir)
+        self._curve = keys_dir is not None
+        if keys_dir is not None:
+            _curve_server(self._sock, keys_dir, domain)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)   # a frame to a vanished peer is dropped, not an error
         self._sock.bind(address)
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.bad_frames = 0
 
     async def recv(self) -> Received:
-        frames = await self._sock.recv_multipart(copy=True)
+        if self._curve:          # Frames, for the role the authenticator stamped on them
+            parts = await self._sock.recv_multipart(copy=False)
+            role = parts[-1].get("User-Id") or ""
+            frames = [p.bytes for p in parts]
+        else:
+            frames, role = await self._sock.recv_multipart(copy=True), ""
         if len(frames) != 2:
             self.bad_frames += 1
-            return Received(frames[0] if frames else b"", ProtocolError(f"expected 1 payload frame, got {len(frames) - 1}"))
+            return Received(frames[0] if frames else b"",
+                            ProtocolError(f"expected 1 payload frame, got {len(frames) - 1}"), role)
         peer, data = frames
         try:
-            return Received(peer, protocol.decode(data))
+            return Received(peer, protocol.decode(data), role)
         except ProtocolError as exc:
             self.bad_frames += 1
-            return Received(peer, exc)
+            return Received(peer, exc, role)
 
     async def send(self, peer: bytes, msg: Message) -> None:
         await self._sock.send_multipart([peer, protocol.encode(msg)])
@@ -130,15 +127,37 @@ class RouterSocket:
 class _Dealer:
     """What both DEALER sockets share: configuration, CURVE, identity, and decoding with a bad-frame count."""
 
-    def __init__(self, ctx: zmq.Context, address: str, identity: bytes | None, curve_dir: str | None) -> None:
+    def __init__(self, ctx: zmq.Context, address: str, identity: bytes | None, curve_dir: str | None,
+                 role: str, before_connect: Any = None) -> None:
         self._sock = ctx.socket(zmq.DEALER)
         _configure(self._sock)
-        if curve_dir:
-            _curve_client(self._sock, curve_dir)
+        self._address, self._curve_dir, self._role = address, curve_dir, role
+        keys_dir = curve_dir or mesh_keys.find_keys(address)
+        self.credentials = mesh_keys.credentials(keys_dir, role) if keys_dir else None
+        if self.credentials is not None:
+            _curve_client(self._sock, self.credentials)
         if identity is not None:
             self._sock.setsockopt(zmq.IDENTITY, identity)
+        if before_connect is not None:
+            before_connect()
         self._sock.connect(address)
         self.bad_frames = 0
+
+    def refresh_credentials(self) -> bool:
+        """For keys found by address (no `curve_dir` given): looks again, and where the deployment at the
+        address now holds other keys (restarted, or started after this socket), reconnects with them. True
+        when it did; a refused handshake is then worth another try."""
+        if self._curve_dir is not None:
+            return False
+        keys_dir = mesh_keys.find_keys(self._address)
+        creds = mesh_keys.credentials(keys_dir, self._role) if keys_dir else None
+        if creds is None or creds == self.credentials:
+            return False
+        self._sock.disconnect(self._address)
+        self.credentials = creds
+        _curve_client(self._sock, creds)
+        self._sock.connect(self._address)
+        return True
 
     def _decode(self, frames: list[bytes]) -> Message | ProtocolError:
         if len(frames) != 1:
@@ -156,17 +175,55 @@ class _Dealer:
 
 
 class DealerSocket(_Dealer):
-    """A connecting DEALER socket: one logical peer (the router)."""
+    """A connecting DEALER socket: one logical peer (the router), as a client (the operator where this user
+    holds the operator's key). With `monitored`, `events()` yields "up" when a connection to the router has
+    completed its handshake, "down" when it closed, and "refused" when the router refused the handshake
+    (credentials it does not accept; libzmq does not retry those)."""
+
+    EVENTS = {zmq.EVENT_HANDSHAKE_SUCCEEDED: "up", zmq.EVENT_DISCONNECTED: "down",
+              zmq.EVENT_HANDSHAKE_FAILED_AUTH: "refused", zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "refused",
+              zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "refused"}
 
     def __init__(self, ctx: zmq.asyncio.Context, address: str, identity: bytes | None = None,
-                 curve_dir: str | None = None) -> None:
-        super().__init__(ctx, address, identity, curve_dir)
+                 curve_dir: str | None = None, monitored: bool = False) -> None:
+        self._monitor: zmq.asyncio.Socket | None = None
+
+        def monitor() -> None:          # before connect(): a loopback handshake is over before a later one looks
+            mask = 0
+            for e in self.EVENTS:
+                mask |= e
+            self._monitor = self._sock.get_monitor_socket(mask)
+
+        super().__init__(ctx, address, identity, curve_dir, "client", monitor if monitored else None)
+
+    async def events(self) -> AsyncIterator[str]:
+        """The monitored connection's events, until the socket closes."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        assert self._monitor is not None, "events() of a socket made without monitored=True"
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_MONITOR_STOPPED:
+                return
+            if event in self.EVENTS:
+                yield self.EVENTS[event]
+
+    def pending(self) -> bool:
+        """Whether frames already received wait to be read."""
+        return bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
     async def recv(self) -> Message | ProtocolError:
         return self._decode(await self._sock.recv_multipart(copy=True))
 
     async def send(self, msg: Message) -> None:
         await self._sock.send(protocol.encode(msg))
+
+    def close(self, linger_s: float = 0.0) -> None:
+        """Closes the monitor (before the socket: the context's term() waits for every socket), then the socket."""
+        if self._monitor is not None and not self._monitor.closed:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+        super().close(linger_s)
 
     def send_nowait(self, msg: Message) -> bool:
         """Queues a frame without awaiting (from the socket's own loop thread, in code that must not await: a
@@ -182,7 +239,7 @@ class SyncDealerSocket(_Dealer):
     """A blocking DEALER socket for a worker process: `recv(timeout)` returns None when nothing came."""
 
     def __init__(self, ctx: zmq.Context, address: str, identity: bytes, curve_dir: str | None = None) -> None:
-        super().__init__(ctx, address, identity, curve_dir)
+        super().__init__(ctx, address, identity, curve_dir, "worker")
 
     def recv(self, timeout_s: float) -> Message | ProtocolError | None:
         if not self._sock.poll(int(timeout_s * 1000)):

@@ -60,3 +60,27 @@ def with_word_tokenizer(model_dir: Any, out_dir: Any, vocab_size: int = 320) -> 
     shutil.copytree(model_dir, out_dir)
     save_word_tokenizer(out_dir, vocab_size)
     return out_dir
+
+
+def present_keys(sock: Any, keys_dir: str, role: str) -> None:
+    """Makes a raw zmq socket a CURVE client of the deployment whose keys are in `keys_dir`, as `role`
+    (mesh_keys.ROLES): set before connect."""
+    from mii_async.mesh_keys import credentials
+
+    creds = credentials(keys_dir, role)
+    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = creds.server_public, creds.public, creds.secret
+
+
+def raw_dealer(ctx: Any, address: str, role: str = "client") -> Any:
+    """A raw zmq DEALER (linger 0) holding this user's keys for the deployment at `address` (mesh_keys finds
+    them by port), not yet connected."""
+    import zmq
+
+    from mii_async.mesh_keys import find_keys
+
+    keys = find_keys(address)
+    assert keys is not None, f"no mesh keys published for {address}"
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    present_keys(s, keys, role)
+    return s

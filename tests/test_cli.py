@@ -33,9 +33,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_with_a_joining_worker_over_curve(default_model_dir, tmp_path):
+def test_serve_with_a_joining_worker_over_curve(default_model_dir, tmp_path, monkeypatch):
     """`mii-async serve --replicas 0` waits for workers; `mii-async worker --router tcp://…` joins it; with
-    CURVE keys a client with the keys is served and one without them is not; SIGTERM stops both processes."""
+    CURVE keys a client with the keys is served and one without them (another user's: its runtime directory
+    holds no keys for the port) is not; SIGTERM stops both processes."""
     import asyncio
     import json
     import signal
@@ -74,6 +75,7 @@ def test_serve_with_a_joining_worker_over_curve(default_model_dir, tmp_path):
             [r] = await client.generate([[{"role": "user", "content": "What is the capital of France?"}]],
                                         max_new_tokens=12)
             assert "Paris" in r.generated_text
+            monkeypatch.setenv("MII_ASYNC_RUNTIME_DIR", str(tmp_path / "another-user"))
             stranger = mii_async.client(status["address"], timeout_s=3.0)
             stranger.ping_s = 0.5
             with pytest.raises(UnavailableError):

@@ -9,7 +9,7 @@ import pytest
 import mii_async
 from mii_async import InvalidParameterError, OverloadedError, RequestTooLongError
 from mii_async.outputs import FinishReason
-from tests.mesh_helpers import kv_idle, until, wait_gone, deployment_pids
+from tests.mesh_helpers import kv_idle, raw_dealer, until, wait_gone, deployment_pids
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -220,7 +220,7 @@ def test_silent_client_loses_its_requests(small):
     from mii_async import protocol as P
 
     ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
+    s = raw_dealer(ctx, small.address)
     s.connect(small.address)
     s.send(P.encode(P.Generate(req_id="x", prompt="Tell me a long story.", params={"max_new_tokens": 500, "ignore_eos": True})))
     assert s.poll(30_000), "no delta from the router"

@@ -75,7 +75,7 @@ CLIENT = ("mii_async.api", "mii_async.async_client", "mii_async.client_connectio
 def test_the_scan_sees_the_imports_it_judges():
     """The rules below hold because the scan reads real imports, not because it reads none."""
     imports = _imports()
-    assert any(i.module == "mii_async.router.server" and i.target == "mii_async.text.prompts" for i in imports)
+    assert any(i.module == "mii_async.router.encoder_pool" and i.target == "mii_async.text.prompts" for i in imports)
     assert any(i.module == "mii_async.workers.engine" and _under(i.target, "mii_async.workers.core")
                for i in imports)
     assert _violations(("mii_async.router",), ("mii_async.text",)), "the router does use the text layer"

@@ -15,8 +15,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from ..errors import (InvalidParameterError, ModelNotFoundError, OverloadedError, UnavailableError,
-                      error_code)
+from ..errors import (InvalidParameterError, ModelNotFoundError, OverloadedError, PermissionDeniedError,
+                      UnavailableError, error_code)
 
 
 class HTTPError(Exception):
@@ -82,6 +82,8 @@ def _from_exception(exc: BaseException, rename: dict[str, str] | None) -> HTTPEr
         return HTTPError(400, message, "invalid_request_error", param, code)
     if isinstance(exc, ModelNotFoundError):
         return HTTPError(404, str(exc), "not_found_error", "model", code)
+    if isinstance(exc, PermissionDeniedError):
+        return HTTPError(403, str(exc), "permission_error", None, code)
     if isinstance(exc, OverloadedError):
         return HTTPError(503, str(exc), "overloaded_error", None, code)
     if isinstance(exc, UnavailableError):

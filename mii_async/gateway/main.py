@@ -5,8 +5,10 @@ lifeline; `mii-async gateway --router ADDR` runs one by hand (any number may fro
 socket itself (so `http_port=0` works), then runs uvicorn (`ws="websockets"`) on uvloop, and writes one JSON line
 ({"url", "pid"}) to the status pipe once it accepts connections. The API key comes from $MII_ASYNC_API_KEY,
 not the command line, so that `ps` does not show it. SIGTERM/SIGINT: uvicorn's graceful shutdown (open
-streams get `drain_s`) for a gateway run by hand; one started with a lifeline leaves them to its parent, and
-shuts down the same way when the lifeline ends.
+streams get `drain_s`) for a gateway run by hand; one started with a lifeline leaves them to its parent. When
+the lifeline ends (the parent, which runs the router or started it, is gone) there is nothing to drain for:
+every open stream fails at once (an SSE error event then [DONE]; a WebSocket error frame), and the gateway
+exits within 2 × EXIT_FLUSH_S.
 """
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ from ..config import HttpConfig
 
 log = logging.getLogger("mii_async.gateway")
 API_KEY_ENV = "MII_ASYNC_API_KEY"
+EXIT_FLUSH_S = 1.0      # its parent gone, how long the failed streams get to send their last events, and then
+                        # uvicorn's shutdown to close the connections, before the gateway exits regardless
+PARENT_GONE = "the deployment stopped: the process that runs its router (or started it) is gone"
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -68,8 +73,12 @@ async def run_gateway(router: str, http: HttpConfig, on_ready: Callable[[dict], 
     host, port = sock.getsockname()[:2]
     state = GatewayState(AsyncClient(router, curve_dir=curve_dir), http, tokenizer)
     # httptools (uvloop's authors' C parser) rather than h11: a streamed token is an HTTP chunk, and h11's
-    # pure-Python writer was the gateway's largest cost per SSE token.
-    config = uvicorn.Config(create_app(state), http="httptools", ws="websockets", loop="uvloop", lifespan="on",
+    # pure-Python writer was the gateway's largest cost per SSE token. uvicorn's httptools protocol bounds
+    # neither a request head's time or size nor open connections: guarded_protocol() adds them.
+    from .connection_limits import KEEP_ALIVE_S, guarded_protocol
+
+    config = uvicorn.Config(create_app(state), http=guarded_protocol(http, state.metrics), ws="websockets",
+                            loop="uvloop", lifespan="on", timeout_keep_alive=KEEP_ALIVE_S,
                             ws_max_size=http.ws_max_message_bytes, ws_ping_interval=http.ws_ping_s,
                             ws_ping_timeout=http.ws_ping_s, timeout_graceful_shutdown=max(1, int(drain_s)),
                             log_level="warning", access_log=False, server_header=False)
@@ -77,7 +86,8 @@ async def run_gateway(router: str, http: HttpConfig, on_ready: Callable[[dict], 
     loop = asyncio.get_running_loop()
     if lifeline_fd is not None:
         def parent_gone() -> None:
-            server.should_exit = True
+            state.client.mark_unavailable(PARENT_GONE)     # open streams end with their error now; new ones 503
+            server.exit_after(EXIT_FLUSH_S)
 
         watch_lifeline(lifeline_fd, lambda: loop.call_soon_threadsafe(parent_gone))
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
@@ -111,6 +121,19 @@ def _supervised_server_class():
             finally:
                 for sig, handler in before.items():
                     signal.signal(sig, handler)
+
+        def exit_after(self, flush_s: float) -> None:
+            """Exits without a drain (its parent is gone, and the router with it or after it): the open
+            connections get `flush_s` to send what their failed streams wrote, then the shutdown closes them,
+            and `flush_s` later stops waiting for any still open (timeout_graceful_shutdown would wait for a
+            stream for drain_s). Call it on the server's loop."""
+            loop = asyncio.get_running_loop()
+
+            def stop() -> None:
+                self.should_exit = True
+                loop.call_later(flush_s, setattr, self, "force_exit", True)
+
+            loop.call_later(flush_s, stop)
 
     return Supervised
 

@@ -7,6 +7,8 @@ blocks, replicas) are read from the router when /metrics is scraped.
     mii_async_time_to_first_token_seconds{api} · mii_async_inter_token_latency_seconds{api}
     mii_async_e2e_request_latency_seconds{api}
     mii_async_requests_in_flight{api}               streams open in this gateway
+    mii_async_http_connections · mii_async_websockets   connections open in this gateway
+    mii_async_connections_limited_total{limit}      connections refused or closed by a limit (its HttpConfig field)
     mii_async_queue_depth · mii_async_running_requests · mii_async_kv_blocks{state="used"|"free"|"cached"}
                                                     over ready replicas: only when every one answered
     mii_async_replica_kv_blocks{replica, state}     each replica that answered
@@ -118,6 +120,12 @@ class Metrics:
                                  registry=r)
         self.replica_up = Gauge("mii_async_replica_up", "1 for each replica in its state", ["replica", "state"],
                                 registry=r)
+        # Read from the connection bounds' counts (connection_limits.py, ws_limits.py) at each scrape.
+        self.http_connections = Gauge("mii_async_http_connections", "HTTP connections open (an upgraded "
+                                      "WebSocket counts in mii_async_websockets)", registry=r)
+        self.websockets = Gauge("mii_async_websockets", "WebSocket connections open", registry=r)
+        self.connections_limited = Counter("mii_async_connections_limited", "Connections refused or closed by a "
+                                           "limit, by the limit's HttpConfig field", ["limit"], registry=r)
 
     def refused(self, path: str, code: str | None) -> None:
         """Counts a request refused before any stream opened (a bad parameter, a bad key is not counted)."""

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..async_client import AsyncClient
 from ..config import HttpConfig
+from ..errors import MIIAsyncError
 from ..text.prompts import check_prompt_size
 from .metrics import Metrics
 
@@ -89,8 +90,10 @@ class GatewayState:
             try:
                 h = await asyncio.wait_for(self.client.health(), 5.0)
             except Exception as exc:  # noqa: BLE001 - any failure to answer means unavailable
-                h = {"state": "unavailable", "error": f"the router does not answer: {str(exc) or type(exc).__name__}",
-                     "replicas": []}
+                # The client's UnavailableError names the router and why (its connection closed, silence).
+                why = str(exc) if isinstance(exc, MIIAsyncError) else \
+                    f"the router does not answer: {str(exc) or type(exc).__name__}"
+                h = {"state": "unavailable", "error": why, "replicas": []}
             self._health = (time.monotonic(), h)
             if "error" not in h and not self.config.served_model_name and h.get("model_name"):
                 self.model_name = h["model_name"]       # follows the router (a restarted deployment)

@@ -11,6 +11,7 @@ Each connection has one writer and a bounded send queue: a reader too slow for w
 queue, and the connection is closed (1013) rather than letting server memory grow. A disconnect, or that
 close, cancels every request of the connection, so their KV blocks are freed within a step. A malformed
 frame gets an error frame; the connection stays up. uvicorn pings every ws_ping_s and bounds frame size.
+Open WebSockets are bounded in total and per client address, and an idle one is closed (ws_limits.py).
 """
 from __future__ import annotations
 
@@ -22,11 +23,12 @@ from typing import Any
 
 from fastapi import APIRouter, WebSocket
 
-from ..errors import InvalidParameterError, MIIAsyncError, error_code
+from ..errors import InvalidParameterError, MIIAsyncError, UnavailableError, error_code
 from ..outputs import StreamChunk
 from ..params import SamplingParams
 from ..text.unicode_text import check_json_text, lone_surrogate
 from .state import GatewayState
+from .ws_limits import WebSocketLimits
 
 log = logging.getLogger("mii_async.gateway.ws")
 router = APIRouter()
@@ -47,7 +49,9 @@ async def websocket_endpoint(ws: WebSocket) -> None:
                     "origins %s)", origin, list(state.config.allowed_hosts), list(state.config.allowed_origins))
         await ws.close(code=1008)             # before accept: the handshake is answered 403
         return
-    await WsConnection(state, ws).run()
+    async with WebSocketLimits.of(ws.app).slot(ws) as admitted:       # max_websockets(_per_ip): else 1013
+        if admitted:
+            await WsConnection(state, ws).run()
 
 
 def origin_allowed(origin: str, ws: WebSocket) -> bool:
@@ -71,6 +75,7 @@ class WsConnection:
         self.sent: dict[Any, int] = {}   # tokens sent per live request, for an abort frame's usage
         self.closing = False
         self.overflow = asyncio.Event()
+        self.idle = WebSocketLimits.of(ws.app).idle_clock(lambda: bool(self.live))    # ws_idle_timeout_s
 
     async def run(self) -> None:
         await self.ws.accept()
@@ -78,7 +83,7 @@ class WsConnection:
         self.put({"type": "hello", "protocol": WS_PROTOCOL, "model": self.state.model_name,
                   "max_message_bytes": cfg.ws_max_message_bytes, "max_requests": cfg.ws_max_requests})
         tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self._write()),
-                 asyncio.ensure_future(self.overflow.wait())]
+                 asyncio.ensure_future(self.overflow.wait()), asyncio.ensure_future(self.idle.wait())]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -94,6 +99,8 @@ class WsConnection:
                 await asyncio.wait_for(self.ws.close(CLOSE_TOO_SLOW, "send queue full: the client reads too slowly"), 5.0)
             except Exception:  # noqa: BLE001 - the peer is stuck or gone; uvicorn drops the connection
                 pass
+        elif self.idle.expired:
+            await self.idle.close(self.ws)
 
     def put(self, frame: dict) -> None:
         if self.closing:
@@ -122,6 +129,7 @@ class WsConnection:
             msg = await self.ws.receive()
             if msg["type"] == "websocket.disconnect":
                 return
+            self.idle.touch()
             if msg.get("text") is None:
                 self._error(None, "invalid_message", "frames must be JSON text, not binary")
                 continue
@@ -193,6 +201,7 @@ class WsConnection:
         # _generate's body, and the id would stay "already running" with no frame sent.
         if self.live.get(req_id) is task:
             del self.live[req_id]
+        self.idle.touch()                   # idle from the end of its last request, not from its start
         sent = self.sent.pop(req_id, 0)
         if task.cancelled():
             # A cancel frame (answered with "abort"), or the connection closing (put() then sends nothing).
@@ -200,9 +209,11 @@ class WsConnection:
                       "usage": {"prompt_tokens": None, "completion_tokens": sent}})
 
     async def _generate(self, req_id: Any, prompt: Any, params: dict[str, Any]) -> None:
+        started = False
         try:
             async with aclosing(self.state.metrics.track("ws", self.state.client.stream(prompt, **params))) as chunks:
                 async for c in chunks:
+                    started = True
                     if c.token_ids or c.text:
                         self.put(_token_frame(req_id, c))
                         self.sent[req_id] = self.sent.get(req_id, 0) + len(c.token_ids)
@@ -211,6 +222,10 @@ class WsConnection:
                     elif c.finish_reason is not None:
                         self.put({"type": "done", "id": req_id, "finish_reason": c.finish_reason,
                                   "usage": c.usage.to_dict() if c.usage else None})
+        except UnavailableError as exc:
+            # Once streaming, the request failed mid-way (its router died or lost it), as when its replica dies;
+            # before its first chunk it was refused, and may be sent again when the deployment is back.
+            self._error(req_id, "generation_failed" if started else error_code(exc), str(exc))
         except MIIAsyncError as exc:
             self._error(req_id, error_code(exc), str(exc), getattr(exc, "param", None))
         except Exception as exc:  # noqa: BLE001 - any failure is the client's error frame, not a silent stop

@@ -9,13 +9,13 @@ The shells — the clients' loop (server.py), the workers' loop (worker_link.py)
 is handled whole before the next.
 
 Encoding a prompt takes milliseconds to seconds: `generate` answers with the prompt to encode (Encode: a chat
-with the tools it shows, through text/prompts.py — the one place where prompts become ids), the
-shell encodes it off the loop and feeds the ids back to `encoded`, which admits the request (admission.py),
-picks a replica (balancer.py) and sends it the ids. An abort meanwhile ends the request at once; the late ids
-then find it gone. Each StepTokens from a replica leader is detokenized per request (UTF-8 safe, stop strings)
-and streamed to the clients as Deltas, one frame per client per step (deltas.py); a stop string ends a
-request here, and the replica is told to abort it. Tokens of aborted requests and late ones of a dead
-generation are dropped. A bad request gets an ErrorReply and the next event is handled as usual.
+with the tools it shows, and the request's RenderOptions, through text/prompts.py — the one place where
+prompts become ids), the shell encodes it off the loop and feeds the ids back to `encoded`, which admits the
+request (admission.py), picks a replica (balancer.py) and sends it the ids. An abort meanwhile ends the request
+at once; the late ids then find it gone. Each StepTokens from a replica leader is detokenized per request
+(UTF-8 safe, stop strings) and streamed to the clients as Deltas, one frame per client per step (deltas.py); a
+stop string ends a request here, and the replica is told to abort it. Tokens of aborted requests and late ones
+of a dead generation are dropped. A bad request gets an ErrorReply and the next event is handled as usual.
 """
 from __future__ import annotations
 
@@ -28,13 +28,14 @@ from ..errors import InvalidParameterError, MIIAsyncError, UnavailableError, err
 from ..outputs import FinishReason
 from ..params import MAX_TOKEN_ID
 from ..text.chat_tools import keeping_markers
+from ..text.render_options import RenderOptions
 from ..text.request_state import Ended, RequestState
 from .admission import Admission, Prompt
 from .balancer import Balancer, Candidate
 from .deltas import StepFrames, to_delta
 from .replicas import Replica, ReplicaSet
 from .requests import LiveRequest, RequestTable
-from .token_events import token_event, well_formed
+from .token_events import token_event
 
 log = logging.getLogger("mii_async.router")
 
@@ -58,6 +59,7 @@ class Encode(NamedTuple):      # a prompt to turn into ids off the loop; the ans
     tools: list[dict] | None   # a chat's tools, rendered with it (text/chat_tools.py)
     parallel_tool_calls: bool  # with tools: the prompt allows several calls per answer
     fit_context: bool          # `encoded` lowers max_new_tokens to the room the prompt leaves
+    options: RenderOptions     # how the prompt is rendered and tokenized (the Generate's fields, checked)
 
 
 class RouterCore:
@@ -70,7 +72,9 @@ class RouterCore:
         self.requests = RequestTable()
         self.client_seen: dict[bytes, float] = {}   # client → when it was last heard (monotonic seconds)
         self.state = "starting"           # starting | ready | draining | stopped: set by the shell
-        self.counters = {"requests": 0, "rejected": 0, "overloaded": 0, "failed": 0, "replica_deaths": 0}
+        self.counters = {"requests": 0, "rejected": 0, "overloaded": 0, "failed": 0, "replica_deaths": 0,
+                         "refused_control": 0,        # Shutdown, stats or reset from a key that is not the operator's
+                         "bad_worker_messages": 0}    # malformed messages from workers (each failed its replica)
         self.sends: deque[Send] = deque()  # what must leave, oldest first; the shells write and pop them
 
     # -- clients -------------------------------------------------------------------------------------
@@ -100,12 +104,13 @@ class RouterCore:
             return None
         try:
             arrival = self.admission.on_arrival(msg, self.state, len(self.requests), self.replicas.limits())
+            options = RenderOptions.of(msg)
         except Exception as exc:  # noqa: BLE001 - a bad request is refused, never stops the loop
             self._refuse(peer, msg.req_id, _as_refusal(exc, msg.req_id))
             return None
         params = keeping_markers(arrival.params, self.tokenizer) if msg.keep_tool_markers else arrival.params
         live = self.requests.open(peer, msg.req_id, params)
-        return Encode(live.rid, arrival.prompt, msg.tools, msg.parallel_tool_calls, msg.fit_context)
+        return Encode(live.rid, arrival.prompt, msg.tools, msg.parallel_tool_calls, msg.fit_context, options)
 
     def encoded(self, rid: int, text: str | None, ids: list[int], *, fit_context: bool = False) -> None:
         """A prompt's ids: the request is admitted against the replicas' limits and the queued tokens, and
@@ -160,10 +165,8 @@ class RouterCore:
 
     # -- replicas ------------------------------------------------------------------------------------
     def step_tokens(self, peer: bytes, msg: P.StepTokens) -> None:
-        """One engine step's tokens from a replica leader: each request's chunk streams to its client."""
-        if not well_formed(msg):
-            log.warning("malformed StepTokens from %r", peer)
-            return
+        """One engine step's tokens from a replica leader (lists of one length: the worker link checks) — each
+        request's chunk streams to its client."""
         frames = StepFrames(self._to_client)
         try:
             for i, rid in enumerate(msg.req_ids):

@@ -78,6 +78,7 @@ async def run_router(serve: ServeConfig, engine: EngineConfig, on_ready: Callabl
         await router.serve_forever()
         return 0
     on_ready({"address": router.address, "worker_address": router.worker_address, "pid": os.getpid(),
+              "curve_dir": router.keys_dir,
               "replicas": len(router.replicas.ready()), "model": str(router.model_path)})
     await router.serve_forever()
     return 0

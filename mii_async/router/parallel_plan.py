@@ -39,23 +39,28 @@ def gpu_memory_bytes() -> list[int]:
     return [mem[i] for i in sorted(mem)]
 
 
-def weight_bytes(model_path: Path, dtype: str) -> int:
-    """The weights' size once loaded in `dtype` (auto: bfloat16 on GPU)."""
+def weight_bytes(model_path: Path, dtype: str, quantization: str | None = None) -> int:
+    """The weights' size once loaded in `dtype` (auto: bfloat16 on GPU), or quantized to FP8 at load (one byte a
+    weight; the embeddings, which stay in `dtype`, are counted as FP8 too: a plan, not an inventory). A
+    checkpoint that is FP8 already is counted as it is stored."""
     cfg = json.loads((model_path / "config.json").read_text())
     stored = _ITEMSIZE.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), 4)
-    target = _ITEMSIZE.get(dtype, 2)
+    if cfg.get("quantization_config"):
+        return sum(f.stat().st_size for f in model_path.glob("*.safetensors"))
+    target = 1 if quantization == "fp8" else _ITEMSIZE.get(dtype, 2)
     size = sum(f.stat().st_size for f in model_path.glob("*.safetensors"))
     return size * target // stored
 
 
-def plan_tensor_parallel(model_path: Path, dtype: str, device: str, gpus: list[int] | None = None) -> tuple[int, str]:
+def plan_tensor_parallel(model_path: Path, dtype: str, device: str, gpus: list[int] | None = None,
+                         quantization: str | None = None) -> tuple[int, str]:
     """(T, why) for tensor_parallel="auto"."""
     if device == "cpu":
         return 1, "device is cpu: tensor_parallel=1"
     gpus = gpu_memory_bytes() if gpus is None else gpus
     if not gpus:
         return 1, "no GPU visible: tensor_parallel=1"
-    need = weight_bytes(model_path, dtype)
+    need = weight_bytes(model_path, dtype, quantization)
     budget = int(min(gpus) * WEIGHT_SHARE)
     valid = []
     for t in range(1, len(gpus) + 1):
@@ -74,8 +79,11 @@ def plan_tensor_parallel(model_path: Path, dtype: str, device: str, gpus: list[i
 
 def check_tensor_parallel(model_path: Path, world: int) -> None:
     """Refuses, naming the head counts, a tensor_parallel that the model's shapes do not allow."""
-    from mii_async.workers.model.shard_plan import shard_plan
+    from mii_async.workers.model.shard_plan import expert_ffn, shard_plan
 
     cfg = json.loads((model_path / "config.json").read_text())
     heads = cfg["num_attention_heads"]
-    shard_plan(heads, cfg.get("num_key_value_heads") or heads, cfg["intermediate_size"], cfg["vocab_size"], 0, world)
+    plan = shard_plan(heads, cfg.get("num_key_value_heads") or heads, cfg["intermediate_size"], cfg["vocab_size"],
+                      0, world)
+    if cfg.get("moe_intermediate_size"):       # every expert's FFN is split like the dense one
+        expert_ffn(plan, int(cfg["moe_intermediate_size"]))

@@ -26,11 +26,12 @@ import zmq.asyncio
 from .. import protocol as P
 from ..config import EngineConfig, ServeConfig
 from ..errors import InvalidParameterError
-from ..text.prompts import PromptEncoder
+from ..mesh_keys import deployment_keys_dir, ensure_keys, publish, unpublish
 from ..transport import RouterSocket, start_authenticator
 from .admission import Admission
 from .balancer import Balancer
 from .core import Encode, RouterCore, ToClient
+from .encoder_pool import EncoderPool
 from .parallel_plan import check_tensor_parallel, plan_tensor_parallel
 from .replicas import ReplicaSet
 from .stats_queries import RESET_TIMEOUT_S, StatsQueries
@@ -44,14 +45,20 @@ class Router:
     def __init__(self, serve: ServeConfig, engine: EngineConfig) -> None:
         self.serve_cfg, self.engine_cfg = serve, engine
         self.ctx = zmq.asyncio.Context()
-        self._auth = start_authenticator(self.ctx, serve.curve_dir) if serve.curve_dir else None
-        self.clients = _bind(self.ctx, "port", serve.host, serve.port, serve.curve_dir)
-        self.workers_sock = _bind(self.ctx, "worker_port", serve.worker_host, serve.worker_port, serve.curve_dir)
+        # The mesh's keys (mesh_keys.py): the caller's directory, completed, or one made for this deployment.
+        self._own_keys = not serve.curve_dir
+        self.keys_dir = ensure_keys(serve.curve_dir) if serve.curve_dir else deployment_keys_dir()
+        self._auth = start_authenticator(self.ctx, self.keys_dir)
+        self.clients = _bind(self.ctx, "port", serve.host, serve.port, self.keys_dir, "clients")
+        self.workers_sock = _bind(self.ctx, "worker_port", serve.worker_host, serve.worker_port, self.keys_dir,
+                                  "workers")
         self.address = self.clients.address
         self.worker_address = self.workers_sock.address
+        self._ports = [int(a.rsplit(":", 1)[1]) for a in (self.address, self.worker_address)]
+        publish(self.keys_dir, self._ports)
         local = self.worker_address.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:")
         self.tensor_parallel = 1 if serve.tensor_parallel == "auto" else int(serve.tensor_parallel)   # set in start()
-        self.replicas = ReplicaSet(self.tensor_parallel, local, serve.curve_dir)
+        self.replicas = ReplicaSet(self.tensor_parallel, local, self.keys_dir)
         self.core = RouterCore(self.replicas, Balancer(engine.cache.block_size),
                                Admission(serve.max_queued_requests, serve.max_queued_tokens))
         self.stats_queries = StatsQueries(self.replicas, self.workers_sock)
@@ -59,7 +66,8 @@ class Router:
         self.worker_link = WorkerLink(self.workers_sock, self.core,
                                       Assignment(engine.to_dict(), serve.heartbeat_s, serve.heartbeat_timeout_s),
                                       self.stats_queries, self.flush, self.supervisor.replica_died)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mii_async-tokenize")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mii_async-start")
+        self.encoders = EncoderPool()
         self._tasks: list[asyncio.Task] = []
         self._pending: set[asyncio.Task] = set()     # encodings and query answers in flight
         self._stopped = asyncio.Event()
@@ -84,14 +92,16 @@ class Router:
         self.model_path = path
         world = self.serve_cfg.tensor_parallel
         if world == "auto":
-            world, why = await loop.run_in_executor(self._pool, plan_tensor_parallel, path, mc.dtype, mc.device)
+            world, why = await loop.run_in_executor(self._pool, plan_tensor_parallel, path, mc.dtype, mc.device, None,
+                                                    mc.quantization)
             log.info("tensor parallel plan: %s", why)
         elif world > 1:
             check_tensor_parallel(path, world)
         self.replicas.tensor_parallel = self.tensor_parallel = int(world)
-        # Two instances: encoding runs on the pool thread, decoding on the loop, and a fast tokenizer must
-        # not be used by two threads at once.
-        self.encoder = PromptEncoder(await loop.run_in_executor(self._pool, AutoTokenizer.from_pretrained, str(path)))
+        # One instance per encoding thread and one for the loop's decoding: a fast tokenizer must not be used
+        # by two threads at once.
+        self.encoders.start([await loop.run_in_executor(self._pool, AutoTokenizer.from_pretrained, str(path))
+                             for _ in range(self.encoders.threads)])
         self.core.tokenizer = await loop.run_in_executor(self._pool, AutoTokenizer.from_pretrained, str(path))
         if self.state != "starting":                  # a signal arrived while loading: start nothing
             return
@@ -152,9 +162,10 @@ class Router:
         await asyncio.gather(*self._tasks, *self._pending, return_exceptions=True)
         self.clients.close(linger_s=1.0)      # the final deltas still leave
         self.workers_sock.close()
-        if self._auth is not None:
-            self._auth.stop()
+        self._auth.stop()
+        unpublish(self.keys_dir, self._ports, remove=self._own_keys)
         self._pool.shutdown(wait=False)
+        self.encoders.close()
         self.core.state = "stopped"
         self._stopped.set()
 
@@ -173,15 +184,24 @@ class Router:
     # -- clients -------------------------------------------------------------------------------------
     async def _client_loop(self) -> None:
         while True:
-            peer, msg = await self.clients.recv()
+            peer, msg, role = await self.clients.recv()
             self.core.heard_from(peer, time.monotonic())
             try:
-                await self._on_client(peer, msg)
+                await self._on_client(peer, msg, role)
             except Exception:  # noqa: BLE001 - never let one message stop the router
                 log.exception("error handling a client message")
             await self.flush()
 
-    async def _on_client(self, peer: bytes, msg: Any) -> None:
+    async def _on_client(self, peer: bytes, msg: Any, role: str) -> None:
+        if isinstance(msg, (P.Query, P.Shutdown)) and role != "operator" and _needs_operator(msg):
+            what = "Shutdown" if isinstance(msg, P.Shutdown) else f"the {msg.what!r} query"
+            self.core.counters["refused_control"] += 1
+            log.warning("refused %s from a %s's key (%r): it needs the operator's", what, role or "keyless", peer)
+            await self.clients.send(peer, P.ErrorReply(
+                req_id=getattr(msg, "req_id", None) or "", code="permission_denied",
+                message=f"{what} needs the deployment's operator key (operator.key_secret in its keys "
+                        "directory); this client holds a client key"))
+            return
         if isinstance(msg, P.Query):
             self._spawn(self._answer_query(peer, msg))
         elif isinstance(msg, P.Shutdown):
@@ -191,14 +211,16 @@ class Router:
             self._spawn(self._encode(job))
 
     async def _encode(self, job: Encode) -> None:
-        """Encodes a prompt (a chat with its tools) on the pool thread (chat templates and long prompts take a
+        """Encodes a prompt (a chat with its tools) on the encoder pool (chat templates and long prompts take a
         while) and hands the ids to the core."""
         try:
-            text, ids = await asyncio.get_running_loop().run_in_executor(
-                self._pool, self.encoder.encode, job.prompt, job.tools, job.parallel_tool_calls)
+            done = await self.encoders.encode(job, lambda: self.core.requests.get(job.rid) is not None)
         except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer error on odd input: the request is refused
             self.core.encode_failed(job.rid, exc)
         else:
+            if done is None:
+                return                                # the request ended while it waited
+            text, ids = done
             self.core.encoded(job.rid, text, ids, fit_context=job.fit_context)
         await self.flush()
 
@@ -253,10 +275,18 @@ class Router:
         return await self.stats_queries.gather(reset_prefix_cache)
 
 
-def _bind(ctx: Any, param: str, host: str, port: int, curve_dir: str | None) -> RouterSocket:
+OPERATOR_QUERIES = frozenset({"stats", "reset_prefix_cache"})
+
+
+def _needs_operator(msg: P.Query | P.Shutdown) -> bool:
+    """Control messages: stopping the deployment, and queries that reveal or change every replica's state."""
+    return isinstance(msg, P.Shutdown) or msg.what in OPERATOR_QUERIES
+
+
+def _bind(ctx: Any, param: str, host: str, port: int, keys_dir: str, domain: str) -> RouterSocket:
     """A bound ROUTER socket; an address that cannot be bound (in use, not this host's) names its option."""
     try:
-        return RouterSocket(ctx, f"tcp://{host}:{port}", curve_dir)
+        return RouterSocket(ctx, f"tcp://{host}:{port}", keys_dir, domain)
     except zmq.ZMQError as exc:
         raise InvalidParameterError(param, f"cannot listen on tcp://{host}:{port}: {exc.strerror}") from None
 

@@ -5,6 +5,11 @@ mismatched routing id, a router that is stopping); Ready completes a replica; Lo
 when a restart cannot help). Heartbeats are echoed only to registered workers, and an unknown one is told to
 stop. StepTokens and RequestFailed go to the router core (core.py), which turns them into Deltas; a leader's
 StatsReport to the stats queries. After each message, what the core has to send leaves through `flush`.
+
+Only workers hold the key this socket admits (mesh_keys.py), and still every message is checked as a client's
+is: a frame that does not decode, a StepTokens whose lists disagree, counters that are not numbers, a Ready
+without its limits — each is counted (`bad_worker_messages`) and fails that worker's replica (its requests end
+with an error, the supervisor restarts it); the router and the other replicas carry on.
 """
 from __future__ import annotations
 
@@ -18,11 +23,17 @@ from ..transport import RouterSocket
 from .core import RouterCore
 from .replicas import Replica
 from .stats_queries import StatsQueries
+from .token_events import well_formed
 
 log = logging.getLogger("mii_async.router")
 # Load failures that a restart cannot fix (others, such as an out-of-memory while an old process's memory is
 # still being freed, get the supervisor's restart with backoff).
 PERMANENT_LOAD_ERRORS = ("invalid_parameter", "request_too_long", "model_not_found", "unsupported_model")
+
+
+def counters_well_formed(stats: dict) -> bool:
+    """Engine counters as /metrics and stats() read them: names mapped to numbers."""
+    return all(isinstance(k, str) and type(v) in (int, float) for k, v in stats.items())
 
 
 class Assignment(NamedTuple):    # what every Assign carries beside the worker's place
@@ -49,7 +60,7 @@ class WorkerLink:
     async def run(self) -> None:
         """Reads the workers' socket until cancelled; one message's failure is logged, never stops the loop."""
         while True:
-            peer, msg = await self.sock.recv()
+            peer, msg, _ = await self.sock.recv()
             try:
                 await self._on_message(peer, msg)
             except Exception:  # noqa: BLE001
@@ -58,11 +69,17 @@ class WorkerLink:
 
     async def _on_message(self, peer: bytes, msg: Any) -> None:
         if isinstance(msg, P.StepTokens):
+            if not well_formed(msg):
+                await self._malformed(peer, "a StepTokens whose lists disagree in length")
+                return
             self.core.step_tokens(peer, msg)
         elif isinstance(msg, P.Heartbeat):
             found = self.replicas.worker(peer.decode(errors="replace").removesuffix("/hb"))
             if found is None:                         # not (or no longer) one of ours: it should stop
                 await self.sock.send(peer, P.Shutdown())
+                return
+            if not counters_well_formed(msg.stats):
+                await self._malformed(peer, "a Heartbeat whose counters are not numbers")
                 return
             found[0].last_heartbeat = time.monotonic()
             if found[1] == 0:
@@ -72,7 +89,9 @@ class WorkerLink:
             self.core.request_failed(peer, msg)
         elif isinstance(msg, P.StatsReport):
             rep = self.replicas.replicas.get(msg.replica) if isinstance(msg.replica, int) else None
-            if rep is not None and rep.leader == peer:
+            if rep is not None and rep.leader == peer and not counters_well_formed(msg.stats):
+                await self._malformed(peer, "a StatsReport whose counters are not numbers")
+            elif rep is not None and rep.leader == peer:
                 self.stats_queries.on_report(msg)          # only the replica's leader answers for it
             else:
                 log.debug("a stats report for replica %r from %r, which is not its leader: ignored", msg.replica, peer)
@@ -87,9 +106,7 @@ class WorkerLink:
                 try:
                     RequestLimits.from_dict(msg.info)
                 except ValueError as exc:
-                    log.warning("worker %r sent a malformed Ready (%s): failing its replica", peer, exc)
-                    await self.sock.send(peer, P.Shutdown())
-                    await self.on_load_failed(found[0], f"its leader's Ready was malformed: {exc}")
+                    await self._malformed(peer, f"a Ready whose limits are malformed ({exc})")
                     return
             rep = self.replicas.on_ready(peer.decode(errors="replace"), msg.info)
             if rep is not None:
@@ -102,9 +119,19 @@ class WorkerLink:
                 self.load_errors.append((msg.code, msg.message))
                 await self.on_load_failed(found[0], f"could not load the model: {msg.message}")
         elif isinstance(msg, P.ProtocolError):
-            log.warning("bad frame from worker %r: %s", peer, msg)
+            await self._malformed(peer, f"a frame that does not decode ({msg})")
         else:
-            log.warning("unexpected %s from worker %r", type(msg).__name__, peer)
+            await self._malformed(peer, f"a {type(msg).__name__}, which workers do not send")
+
+    async def _malformed(self, peer: bytes, what: str) -> None:
+        """Counts a malformed message and fails the replica of the worker that sent it."""
+        self.core.counters["bad_worker_messages"] += 1
+        found = self.replicas.worker(peer.decode(errors="replace").removesuffix("/hb"))
+        log.warning("worker %r sent %s: %s", peer, what,
+                    f"failing replica {found[0].index}" if found is not None else "it holds no place; dropped")
+        await self.sock.send(peer, P.Shutdown())
+        if found is not None:
+            await self.on_load_failed(found[0], f"its worker sent {what}")
 
     async def _on_hello(self, peer: bytes, msg: P.Hello) -> None:
         rep = None

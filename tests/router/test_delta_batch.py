@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import zmq
 
+
 from mii_async import protocol as P
+from tests.mesh_helpers import raw_dealer
 
 
 def test_a_clients_requests_of_one_step_come_in_one_frame(deployment):
@@ -13,8 +15,7 @@ def test_a_clients_requests_of_one_step_come_in_one_frame(deployment):
     prompts = [[1, 504, 3458, 282, 4649, 30] + [100 + i] for i in range(6)]
     alone = deployment(prompts, max_new_tokens=6, min_new_tokens=6)
     ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
+    s = raw_dealer(ctx, deployment.address)
     s.connect(deployment.address)
     try:
         for i, p in enumerate(prompts):

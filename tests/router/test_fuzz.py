@@ -6,10 +6,12 @@ import asyncio
 
 import msgpack
 import zmq
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mii_async import protocol as P
+from tests.mesh_helpers import raw_dealer
 
 _scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(), st.text(max_size=20),
                      st.binary(max_size=20))
@@ -33,12 +35,11 @@ def test_router_survives_malformed_frames(deployment):
     """Random bytes, random msgpack, wrong fields and bad parameters: each gets an ErrorReply or is ignored
     (never a crash), the bad frames are counted, and a real request still works afterwards."""
     ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
+    s = raw_dealer(ctx, deployment.address)
     s.connect(deployment.address)
-    w = ctx.socket(zmq.DEALER)
-    w.setsockopt(zmq.LINGER, 0)
-    w.connect(deployment.run(deployment.health())["worker_address"])
+    workers = deployment.run(deployment.health())["worker_address"]
+    w = raw_dealer(ctx, workers, "worker")
+    w.connect(workers)
     before = deployment.run(deployment.health())["bad_frames"]
     sent = {"n": 0}
 
@@ -82,9 +83,9 @@ def test_stats_reports_count_only_from_the_replicas_leader(deployment):
     import threading
 
     ctx = zmq.Context()
-    w = ctx.socket(zmq.DEALER)
-    w.setsockopt(zmq.LINGER, 0)
-    w.connect(deployment.run(deployment.health())["worker_address"])
+    workers = deployment.run(deployment.health())["worker_address"]
+    w = raw_dealer(ctx, workers, "worker")
+    w.connect(workers)
     stop = threading.Event()
     bogus = {k: 10**9 for k in P.ENGINE_COUNTERS}
 

@@ -13,7 +13,7 @@ import mii_async
 from mii_async import protocol as P
 from mii_async.packed import prompt_logprobs_bytes
 from mii_async.outputs import Logprob
-from tests.mesh_helpers import until, wait_gone, with_word_tokenizer
+from tests.mesh_helpers import present_keys, until, wait_gone, with_word_tokenizer
 from tests.packed_logprobs import pack, raw
 
 LIMITS = {"vocab_size": 320, "max_model_len": 100_000, "max_request_tokens": 100_000, "num_blocks": 8,
@@ -23,10 +23,11 @@ LIMITS = {"vocab_size": 320, "max_model_len": 100_000, "max_request_tokens": 100
 class ScriptedWorker:
     """Joins the router as replica -1 → its own remote replica, and answers requests as a test tells it."""
 
-    def __init__(self, address: str, info: dict | None = None, tag: str = "scripted") -> None:
+    def __init__(self, address: str, keys_dir: str, info: dict | None = None, tag: str = "scripted") -> None:
         self.name = f"{socket.gethostname()}:{os.getpid()}:{tag}"
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
+        present_keys(self.sock, keys_dir, "worker")
         self.sock.setsockopt(zmq.IDENTITY, self.name.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
@@ -56,7 +57,7 @@ def router(tiny_model, tmp_path_factory):
     """A router that starts no replica, and one scripted worker joined to it."""
     path = with_word_tokenizer(tiny_model("llama"), tmp_path_factory.mktemp("wire") / "tiny")
     client = mii_async.serve(str(path), replicas=0, tensor_parallel=1, heartbeat_timeout_s=300.0)
-    worker = ScriptedWorker(client.run(client.health())["worker_address"])
+    worker = ScriptedWorker(client.run(client.health())["worker_address"], client.curve_dir)
 
     async def ready():
         return [r["state"] for r in (await client.health())["replicas"]] == ["ready"]
@@ -69,7 +70,9 @@ def router(tiny_model, tmp_path_factory):
 
 def _ask(client, prompt, **params):
     """Starts client.generate on its loop thread; the caller plays the worker, then reads .result()."""
-    return asyncio.run_coroutine_threadsafe(client.generate([prompt], **params), _loop(client))
+    async def ask():                      # made on the loop thread: there, generate is a coroutine to await
+        return await client.generate([prompt], **params)
+    return asyncio.run_coroutine_threadsafe(ask(), _loop(client))
 
 
 def _loop(client):
@@ -79,16 +82,13 @@ def _loop(client):
 
 def test_prompt_logprobs_reach_the_client(router):
     """A worker's packed prompt logprobs arrive as Logprobs with the prompt's token ids and, added by the
-    router (the worker has no tokenizer), the texts of each token and its alternatives; a StepTokens whose
-    prompt_logprobs list is not parallel to its requests is dropped whole (the request's tokens are those of
-    the next, valid one)."""
+    router (the worker has no tokenizer), the texts of each token and its alternatives."""
     client, w = router
     prompt = [1, 5, 9, 33]
     fut = _ask(client, prompt, max_new_tokens=2, prompt_logprobs=2)
     add = w.recv(P.AddRequest)
     assert add.prompt_ids == prompt and add.params["prompt_logprobs"] == 2
     plps = pack([(-1.0 - i, [(5, -0.5), (6, -1.5)]) for i in range(3)], 2, ranks=[2, 40, 319])
-    w.send(P.StepTokens(req_ids=[add.req_id], token_ids=[7], finish_reasons=[None], cached_tokens=[0], logprobs=None, prompt_logprobs=[plps, None]))         # not parallel: dropped
     w.send(P.StepTokens(req_ids=[add.req_id], token_ids=[8], finish_reasons=[None], cached_tokens=[0], logprobs=None, prompt_logprobs=[plps]))
     w.send(P.StepTokens(req_ids=[add.req_id], token_ids=[9], finish_reasons=["length"], cached_tokens=[0]))
     [r] = fut.result(30)
@@ -108,6 +108,7 @@ def test_the_router_forwards_the_packed_bytes(router):
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    present_keys(sock, client.curve_dir, "client")
     try:
         sock.connect(client.address)
         sock.send(P.encode(P.Generate(req_id="raw", prompt_ids=prompt, params={"max_new_tokens": 1,
@@ -246,7 +247,8 @@ def test_a_malformed_ready_fails_that_worker_not_the_router(router, info):
     """A worker whose Ready lacks a limit (or gives one that is not a positive integer) is told to shut down and
     its replica is failed; the router still answers health, and the good replica still serves."""
     client, worker = router
-    rogue = ScriptedWorker(client.run(client.health())["worker_address"], info=info, tag=f"rogue-{len(info)}")
+    rogue = ScriptedWorker(client.run(client.health())["worker_address"], client.curve_dir, info=info,
+                           tag=f"rogue-{len(info)}")
     try:
         rogue.recv(P.Shutdown)
 

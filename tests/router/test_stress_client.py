@@ -14,7 +14,7 @@ import zmq
 
 import mii_async
 from mii_async import protocol as P
-from tests.mesh_helpers import deployment_pids, kv_idle, until, wait_gone, with_word_tokenizer
+from tests.mesh_helpers import deployment_pids, kv_idle, raw_dealer, until, wait_gone, with_word_tokenizer
 
 LONG = dict(max_new_tokens=900, ignore_eos=True)
 
@@ -67,7 +67,9 @@ def test_use_after_close_raises_instead_of_hanging(tiny_deployment):
     kind, exc = _in_thread(lambda: c.run(c.health()), 5.0)
     assert kind == "raised" and isinstance(exc, mii_async.EngineClosedError), (kind, exc)
     with pytest.raises(mii_async.EngineClosedError):
-        asyncio.run(c.generate([[1, 5, 9]], max_new_tokens=2))
+        async def closed_generate():
+            return await c.generate([[1, 5, 9]], max_new_tokens=2)
+        asyncio.run(closed_generate())
 
 
 def test_closed_clients_release_their_descriptors(tiny_deployment):
@@ -86,7 +88,9 @@ def test_closed_clients_release_their_descriptors(tiny_deployment):
             assert c([[1, 5, i]], max_new_tokens=1)[0].generated_length == 1
             c.close()
             c = mii_async.client(tiny_deployment.address, timeout_s=10)
-            asyncio.run(c.generate([[1, 6, i]], max_new_tokens=1))
+            async def one(c=c, i=i):
+                return await c.generate([[1, 6, i]], max_new_tokens=1)
+            asyncio.run(one())
             c.close()
         deadline = time.monotonic() + 30.0
         while fds() > before + 8 and time.monotonic() < deadline:
@@ -179,8 +183,7 @@ def test_a_malformed_generate_is_answered_under_its_id(tiny_deployment):
         tiny_deployment([[{"role": "user", "content": "hi", 1: 2}]], max_new_tokens=2)
     assert e.value.param == "messages[0]"
     ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
+    s = raw_dealer(ctx, tiny_deployment.address)
     s.connect(tiny_deployment.address)
     try:
         for kind, want in (("Generate", "g-1"), ("Query", "q-1"), ("Abort", None)):
@@ -233,8 +236,7 @@ def test_a_duplicate_req_id_is_refused_without_ending_the_live_stream(tiny_deplo
     """A raw client that reuses the id of a live request gets an invalid_parameter ErrorReply naming req_id,
     sent under no id: under the live one it would end that stream, which must run on to its last token."""
     ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
+    s = raw_dealer(ctx, tiny_deployment.address)
     s.connect(tiny_deployment.address)
     try:
         s.send(P.encode(P.Generate(req_id="dup", prompt="a b c", params=dict(max_new_tokens=40, ignore_eos=True))))
