@@ -7,13 +7,17 @@ over its handle), so that kernels order with torch's own work and are captured b
 a graph is captured on Hopper, through programmatic dependent launch (pdl.py), so that in a decode step's chain
 each kernel's start overlaps the previous one's tail.
 Prompt chunks go through torch's variable-length flash attention, all chunks of a step in one call per layer
-(`prefill_attention`); the standalone rotary and KV write, and decode shapes the kernel does not handle
-(`decode_supported`), run the torch reference on the GPU.
+(prefill_attention.py); the standalone rotary and KV write, and decode shapes the kernel does not handle
+(`decode_supported`), run the torch reference on the GPU. A mixture of experts' experts run as grouped GEMMs
+(torch._grouped_mm) over the tokens sorted by expert (`moe_experts`). A projection whose weight is FP8
+(fp8_weight.py) goes to fp8_linear.py: an FP8 GEMV of a few rows, torch._scaled_mm beyond.
 The ops in CONFIGURED take the KernelConfig (config.py) as `config=`; get_ops("cuda", config) binds it.
 """
 from __future__ import annotations
 
 import functools
+import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -21,13 +25,17 @@ import torch.nn.functional as F
 
 from . import reference
 from .config import DEFAULT, KernelConfig
+from . import fp8_linear
 from .decode_attention import decode_supported, paged_attention_decode  # noqa: F401 (the op set)
+from .fp8_weight import FP8Weight
 from .launch import launch as _launch, ptr as _ptr, sm_count as _sm_count
 from .metadata import AttentionMetadata
+from .prefill_attention import prefill_attention  # noqa: F401 (the op set)
 
 RAGGED_PREFILL = True           # takes AttentionMetadata.prefill_groups (the runner builds them)
 CONFIGURED = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "linear", "add_rms_norm_linear",
-              "add_rms_norm_gate_up", "rotary_write_kv", "paged_attention", "paged_attention_decode")
+              "add_rms_norm_gate_up", "add_rms_norm_gate_up_gelu", "gelu_tanh_and_mul", "rotary_write_kv",
+              "paged_attention", "paged_attention_decode", "moe_experts")
 
 rotary_embedding = reference.rotary_embedding
 write_kv = reference.write_kv
@@ -137,8 +145,10 @@ def _gemv(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return y, res_out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+def linear(x: torch.Tensor, weight: torch.Tensor | FP8Weight, bias: torch.Tensor | None = None, *,
            config: KernelConfig = DEFAULT) -> torch.Tensor:
+    if isinstance(weight, FP8Weight):
+        return fp8_linear.linear(x, weight, bias, config=config)
     if _gemv_ok(x, weight, x.shape[1], bias):
         return _gemv("plain", x, weight, bias, config)[0]
     return F.linear(x, weight, bias)
@@ -151,10 +161,14 @@ def _norm_gemv_ok(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
 
 
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                        weight: torch.Tensor, bias: torch.Tensor | None = None,
+                        weight: torch.Tensor | FP8Weight, bias: torch.Tensor | None = None,
                         out_dtype: torch.dtype | None = None, *,
                         config: KernelConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
-    """As the reference. A few rows take one gemv.cu kernel: the norm is its prologue."""
+    """As the reference. A few rows take one gemv.cu kernel: the norm is its prologue. An FP8 weight:
+    fp8_linear.py."""
+    if isinstance(weight, FP8Weight):
+        return fp8_linear.add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias, out_dtype,
+                                              norm=functools.partial(_norm, norm_weight, eps, config), config=config)
     if out_dtype in (None, x.dtype, torch.float32) and _norm_gemv_ok(x, residual, norm_weight, weight, bias):
         y, res_out = _gemv("norm", x, weight, bias, config, out_dtype, residual, norm_weight, eps)
         return y, x if res_out is None else res_out
@@ -167,14 +181,114 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
 
 
 def add_rms_norm_gate_up(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                         gate_up: torch.Tensor, *, config: KernelConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
+                         gate_up: torch.Tensor | FP8Weight, *,
+                         config: KernelConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
     """As the reference. A few rows take one gemv.cu kernel: the norm is its prologue, SiLU-and-mul its
-    epilogue (a warp computes a gate row and its up row)."""
+    epilogue (a warp computes a gate row and its up row). An FP8 weight: fp8_linear.py."""
+    if isinstance(gate_up, FP8Weight):
+        return fp8_linear.add_rms_norm_gate_up(x, residual, norm_weight, eps, gate_up,
+                                               norm=functools.partial(_norm, norm_weight, eps, config),
+                                               act=functools.partial(silu_and_mul, config=config), config=config)
     if gate_up.shape[0] % 2 == 0 and _norm_gemv_ok(x, residual, norm_weight, gate_up):
         y, res_out = _gemv("norm_silu", x, gate_up, None, config, None, residual, norm_weight, eps)
         return y, x if res_out is None else res_out
     y, residual = add_rms_norm_linear(x, residual, norm_weight, eps, gate_up, config=config)
     return silu_and_mul(y, config=config), residual
+
+
+def _norm(norm_weight: torch.Tensor, eps: float, config: KernelConfig, x: torch.Tensor,
+          residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual +) RMSNorm → (normed, the residual stream): the prologue of a projection, as its own kernel."""
+    if residual is None:
+        return rms_norm(x, norm_weight, eps, config=config), x
+    return fused_add_rms_norm(x, residual, norm_weight, eps, config=config)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor, *, config: KernelConfig = DEFAULT) -> torch.Tensor:
+    """As the reference: torch's elementwise kernels (GeGLU sits beside a GEMM that dwarfs it)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def add_rms_norm_gate_up_gelu(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                              eps: float, gate_up: torch.Tensor, *,
+                              config: KernelConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
+    """As the reference: the norm and the projection as add_rms_norm_linear takes them (at a few rows one
+    gemv.cu kernel, the norm its prologue), then GeGLU."""
+    y, residual = add_rms_norm_linear(x, residual, norm_weight, eps, gate_up, config=config)
+    return gelu_tanh_and_mul(y, config=config), residual
+
+
+moe_route = reference.moe_route     # a GEMV of E rows, softmax and top-k: torch's kernels, no host sync
+
+
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor, *, config: KernelConfig = DEFAULT) -> torch.Tensor:
+    """As the reference. In bf16 on Hopper, grouped GEMMs over the (token, slot) pairs sorted by expert
+    (`_grouped_experts`): only the chosen experts' weights are read, and nothing waits on the host, so that a
+    CUDA graph captures it. Elsewhere (another dtype or card, a torch without `_grouped_mm`), the reference,
+    and under graph capture every expert over every token (`_every_expert`): static shapes, E/k times the work."""
+    if _grouped_mm_ok(x, gate_up, down):
+        return _grouped_experts(x, weights, ids, gate_up, down, functools.partial(silu_and_mul, config=config))
+    _log_moe_fallback(str(x.dtype), torch.cuda.get_device_capability(x.device))
+    if torch.cuda.is_current_stream_capturing():
+        return _every_expert(x, weights, ids, gate_up, down)
+    return reference.moe_experts(x, weights, ids, gate_up, down)
+
+
+def _grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                     down: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Route → permute → grouped GEMMs → un-permute → combine, every shape fixed by T, k and E. `act`: [T k, 2F]
+    → [T k, F] (SiLU-and-mul). torch._grouped_mm multiplies each expert's row group by that expert's weight
+    (offsets: the groups' end rows); an expert no token chose is an empty group whose weights it never reads."""
+    t, k = ids.shape
+    e = gate_up.shape[0]
+    sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)             # [T k]: pairs grouped by expert
+    ends = torch.searchsorted(sorted_ids, torch.arange(1, e + 1, device=ids.device, dtype=sorted_ids.dtype),
+                              out_int32=True)                                 # [E]: each group's end row
+    xs = x.index_select(0, order // k)                                        # [T k, H]: each pair's token
+    h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=ends)              # [T k, 2F]
+    h = torch._grouped_mm(act(h), down.transpose(1, 2), offs=ends)             # [T k, H]
+    y = torch.empty_like(h).index_copy_(0, order, h)                          # back in (token, slot) order
+    # Σ_slot weight · y: the weights in x's dtype (as transformers' Qwen3-MoE rounds them), accumulated in fp32.
+    return torch.bmm(weights.to(y.dtype).unsqueeze(1), y.view(t, k, -1)).squeeze(1)   # [T, H]
+
+
+def _every_expert(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                  down: torch.Tensor) -> torch.Tensor:
+    """Every expert over every token, scaled by its routing weight (zero where the token did not choose it)."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(gate_up.shape[0]):
+        w = (weights * (ids == e)).sum(-1, keepdim=True)                      # [T, 1]
+        out += reference.linear(reference.silu_and_mul(reference.linear(x, gate_up[e])), down[e]).float() * w
+    return out.to(x.dtype)
+
+
+@functools.cache
+def _grouped_mm_device() -> bool:
+    """torch._grouped_mm's own kernels: Hopper (torch ≥ 2.8), and Blackwell from torch 2.9. Elsewhere torch
+    loops over the groups with their sizes read on the host."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    major = torch.cuda.get_device_capability()[0]
+    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    return major == 9 or (major == 10 and version >= (2, 9))
+
+
+def _grouped_mm_ok(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """bf16 throughout, rows of H and F a whole number of 16-byte vectors (torch._grouped_mm's strides), weights
+    contiguous, and a device where it runs without the host."""
+    return (x.dtype == gate_up.dtype == down.dtype == torch.bfloat16 and x.shape[1] % 8 == 0
+            and down.shape[2] % 8 == 0 and gate_up.is_contiguous() and down.is_contiguous() and _grouped_mm_device())
+
+
+@functools.cache
+def _log_moe_fallback(dtype: str, capability: tuple[int, int]) -> None:
+    logging.getLogger("mii_async.kernels.cuda").warning(
+        "mixture of experts: grouped GEMMs (torch._grouped_mm) take bf16 on Hopper, with hidden and expert FFN "
+        "sizes multiples of 8; this is %s on sm_%d%d under torch %s%s, so the experts run the torch reference, "
+        "and inside CUDA graphs every expert over every token", dtype, *capability, torch.__version__,
+        "" if hasattr(torch, "_grouped_mm") else " (which has no torch._grouped_mm)")
 
 
 def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -195,94 +309,21 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None, *,
+                    meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
+                    window: int | None = None, softcap: float | None = None, *,
                     config: KernelConfig = DEFAULT) -> torch.Tensor:
     """As reference.paged_attention: decodes through paged_attention_decode (as `config` chooses), prompt
-    chunks through torch's variable-length flash attention (`prefill_attention`)."""
+    chunks through torch's variable-length flash attention (prefill_attention.py); both within the layer's
+    sliding `window` and with its `softcap` where it has them."""
     nd = meta.num_decodes
     q = q.contiguous()
     if nd and not decode_supported(q.shape[1], k_cache.shape[2], q.shape[2]):
-        return reference.paged_attention(q, k_cache, v_cache, meta, scale, out)
+        return reference.paged_attention(q, k_cache, v_cache, meta, scale, out, window, softcap)
     out = torch.empty_like(q) if out is None else out
     if nd:
         paged_attention_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd],
-                               max(meta.context_lens_host[:nd]), scale, out=out[:nd], config=config)
+                               max(meta.context_lens_host[:nd]), scale, out=out[:nd], window=window,
+                               softcap=softcap, config=config)
     if nd < len(meta.query_lens):
-        prefill_attention(q, k_cache, v_cache, meta, scale, out)
+        prefill_attention(q, k_cache, v_cache, meta, scale, out, window, softcap)
     return out
-
-
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, out: torch.Tensor) -> None:
-    """The prompt-chunk rows of a step (from num_decodes on), written into `out`. In bf16 / fp16, every chunk
-    of a group in one call of torch's variable-length flash attention: its keys and values are gathered from
-    the blocked cache with one index each (`meta.prefill_groups`), GQA is native, and a chunk's causal mask is
-    aligned to the end of its context (a chunk over earlier chunks sees all of them). Scores stay in fp32.
-    Other dtypes, or a torch without flash attention, take `_prefill_per_sequence`."""
-    if not _flash_varlen_ok(q):
-        _prefill_per_sequence(q, k_cache, v_cache, meta, scale, out)
-        return
-    groups = meta.prefill_groups
-    if groups is None:                      # metadata not built by the runner (tests, tools): build it here
-        groups = _groups_from(meta, k_cache.shape[1], q.device)
-    n, bs, hkv, d = k_cache.shape
-    keys, vals = k_cache.view(n * bs, hkv, d), v_cache.view(n * bs, hkv, d)
-    for g in groups:
-        a, b = g.rows
-        o = torch.ops.aten._flash_attention_forward(
-            q[a:b], keys.index_select(0, g.kv_slots), vals.index_select(0, g.kv_slots), g.cu_q, g.cu_k,
-            g.max_q, g.max_k, 0.0, True, False, scale=scale)[0]
-        out[a:b] = o
-
-
-@functools.cache
-def _flash_available() -> bool:
-    check = getattr(torch.backends.cuda, "is_flash_attention_available", None)
-    return bool(check and check()) and hasattr(torch.ops.aten, "_flash_attention_forward") \
-        and torch.cuda.get_device_capability() >= (8, 0)
-
-
-def _flash_varlen_ok(q: torch.Tensor) -> bool:
-    d = q.shape[-1]
-    return q.dtype in (torch.bfloat16, torch.float16) and d % 8 == 0 and d <= 256 and _flash_available()
-
-
-def _groups_from(meta: AttentionMetadata, block_size: int, device: torch.device):
-    from .metadata import device_groups, prefill_layout
-
-    layout, groups = prefill_layout(meta.block_tables.cpu().numpy(), meta.query_lens, meta.context_lens_host,
-                                    meta.num_decodes, block_size)
-    return device_groups(torch.from_numpy(layout).to(device), groups)
-
-
-def _prefill_per_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                          scale: float, out: torch.Tensor) -> None:
-    """One sequence at a time through SDPA's fused kernels: flash for a whole causal prompt, memory-efficient
-    for a chunk over earlier chunks (its mask is bottom-right causal). Both keep the scores in fp32; the
-    reference's GQA call takes torch's math path on CUDA, which rounds the scores to bf16 and, over 32 layers,
-    drifts 4x further from fp32 than transformers does. K/V heads are expanded to the query heads so that the
-    fused kernels take the call."""
-    import torch.nn.functional as F
-
-    bs = k_cache.shape[1]
-    hq, hkv = q.shape[1], k_cache.shape[2]
-    start = meta.num_decodes
-    for s in range(meta.num_decodes, len(meta.query_lens)):
-        qlen, clen = meta.query_lens[s], meta.context_lens_host[s]
-        nb = -(-clen // bs)
-        blocks = meta.block_tables[s, :nb]
-        keys = k_cache[blocks].flatten(0, 1)[:clen]                        # [C, Hkv, D]
-        vals = v_cache[blocks].flatten(0, 1)[:clen]
-        if hq != hkv:
-            keys = keys.repeat_interleave(hq // hkv, dim=1)
-            vals = vals.repeat_interleave(hq // hkv, dim=1)
-        qs = q[start:start + qlen].transpose(0, 1).unsqueeze(0)           # [1, Hq, L, D]
-        ks, vs = keys.transpose(0, 1).unsqueeze(0), vals.transpose(0, 1).unsqueeze(0)
-        if qlen == clen:
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
-        else:
-            qpos = torch.arange(clen - qlen, clen, device=q.device)
-            mask = torch.arange(clen, device=q.device)[None, :] <= qpos[:, None]   # [L, C]
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
-        out[start:start + qlen] = o[0].transpose(0, 1)
-        start += qlen

@@ -4,7 +4,12 @@ KV head) combines the others in the same launch, csrc/decode_combine.cuh):
   - mma (csrc/paged_attention_mma.cu): tensor cores, head dim 128, up to 16 query heads per KV head;
   - stream (csrc/paged_attention_stream.cu): one scalar pass, head dim 128, up to 4;
   - split (csrc/paged_attention_decode.cu): two phases, every shape decode_supported() admits.
-KernelConfig.decode_kernel (or `kernel=`) picks one; it takes the next where it does not apply."""
+KernelConfig.decode_kernel (or `kernel=`) picks one; it takes the next where it does not apply.
+
+A sliding window W moves each sequence's partitions to start at max(0, context - W): the grid covers
+min(max_context_len, W) tokens, a per-layer constant under a CUDA graph's fixed context cap, and the blocks
+before the window are never read. A soft-cap c turns each score s·scale into c·tanh(s·scale / c) before the
+softmax (Gemma 2)."""
 from __future__ import annotations
 
 import functools
@@ -51,15 +56,20 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int,
                            scale: float, out: torch.Tensor | None = None,
                            partition: int | None = None, kernel: str | None = None,
-                           warps: int | None = None, grid: str | None = None, *,
-                           config: KernelConfig = DEFAULT) -> torch.Tensor:
+                           warps: int | None = None, grid: str | None = None, window: int | None = None,
+                           softcap: float | None = None, *, config: KernelConfig = DEFAULT) -> torch.Tensor:
     """Decode attention: q [S, Hq, D] (one token per sequence) over each sequence's cached keys →
     [S, Hq, D]. block_tables [S, max_blocks] and context_lens [S] int64 on the GPU. `kernel`, `warps` and
     `grid` override `config` for this call: `kernel` "mma", "stream" or "split" (config.decode_kernel), each
     taking the next where it does not apply; `warps` the mma kernel's block width, 2 or 4
     (config.mma_warps); `grid` the blocks' launch order, "kv_heads" (grid (Hkv, S, splits): a sequence's KV
     heads side by side; decode_combine.cuh) or "sequences" ((S, Hkv, splits), compiled apart, for probes)
-    (config.decode_grid)."""
+    (config.decode_grid). `window`: each sequence attends to its last `window` tokens only; `softcap`: scores
+    soft-capped (None: neither)."""
+    if window is not None and window < 1:
+        raise ValueError(f"window must be at least 1, got {window!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap!r}")
     if kernel is None:
         kernel = config.decode_kernel
     if kernel not in DECODE_KERNELS:
@@ -78,12 +88,12 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q) if out is None else out
     if s == 0:
         return out
+    span = min(max_context_len, window) if window is not None else max_context_len   # tokens a sequence reads
     if partition is None:
         # Fill the GPU: the longest partition that still gives 2 blocks per SM. Small batches take short ones
         # (down to 32 tokens): a block's PV loop walks its partition serially, so that is its latency.
-        partition = next((p for p in PARTITIONS if s * hkv * -(-max_context_len // p) >= 2 * _sm_count()),
-                         PARTITIONS[-1])
-    splits = max(1, -(-max_context_len // partition))
+        partition = next((p for p in PARTITIONS if s * hkv * -(-span // p) >= 2 * _sm_count()), PARTITIONS[-1])
+    splits = max(1, -(-span // partition))
     smem = 4 * (g * d + g * partition + 32) + 8 * partition + 4 * (DECODE_THREADS // 32) * g * d
     if splits > 1:
         part_out = torch.empty((s, hq, splits, d), dtype=torch.float32, device=q.device)
@@ -93,6 +103,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_out = part_max = part_sum = out                   # unused with one split
     bt = block_tables.contiguous()
     cl = context_lens.contiguous()
+    extra = (np.int32(window or 0), np.float32(softcap or 0.0))   # the kernels' window and softcap: 0 for none
     if s > 65535:
         grid = "sequences"             # a grid's y dimension holds 65,535 blocks: the sequences go on x then
     dims, defines = ((hkv, s, splits), ()) if grid == "kv_heads" else ((s, hkv, splits), ("MII_SEQ_MAJOR_GRID",))
@@ -108,7 +119,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                 (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(bt), _ptr(cl), _ptr(out),
                  _ptr(part_out), _ptr(part_max), _ptr(part_sum),
                  _ptr(_split_counters(s * hkv, q.device)), np.int32(hq), np.int32(hkv),
-                 np.int32(bs), np.int32(bt.shape[1]), np.int32(partition), np.float32(scale)),
+                 np.int32(bs), np.int32(bt.shape[1]), np.int32(partition), np.float32(scale), *extra),
                 shared_mem=nwarps * RING_BYTES_PER_WARP[one_pass] + 8 * (partition // bs + 2),  # rings, block ids
                 defines=defines, pdl=config.pdl)
         return out
@@ -116,7 +127,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _launch("paged_attention_decode", f"paged_attention_decode_g{gbound}", q.dtype, dims, (DECODE_THREADS,),
             (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(bt), _ptr(cl), _ptr(out), _ptr(part_out), _ptr(part_max),
              _ptr(part_sum), _ptr(_split_counters(s * hkv, q.device)), np.int32(hq), np.int32(hkv), np.int32(d),
-             np.int32(bs), np.int32(bt.shape[1]), np.int32(partition), np.float32(scale)), shared_mem=smem,
+             np.int32(bs), np.int32(bt.shape[1]), np.int32(partition), np.float32(scale), *extra), shared_mem=smem,
             defines=defines, pdl=config.pdl)
     return out
 

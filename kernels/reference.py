@@ -1,13 +1,14 @@
 """Torch reference of every op: the specification the CUDA kernels follow. Runs on CPU and GPU.
 
 Shapes: T tokens in the step, Hq query heads, Hkv KV heads, D head dim, H hidden size, F ffn size,
-N KV blocks of `block_size` tokens. Caches are [N, block_size, Hkv, D].
+N KV blocks of `block_size` tokens, E experts of which each token takes k. Caches are [N, block_size, Hkv, D].
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from .fp8_weight import FP8Weight
 from .metadata import AttentionMetadata
 
 
@@ -31,13 +32,23 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] · weight [N, K]ᵀ (+ bias [N]) → [T, N]."""
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2F] holding [gate | up] → gelu_tanh(gate) * up [T, F] (GeGLU: Gemma's gelu_pytorch_tanh)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | FP8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] · weight [N, K]ᵀ (+ bias [N]) → [T, N]. An FP8 weight (fp8_weight.py) is dequantized to x's
+    dtype first: every op that projects through `linear` takes one, and computes as the model would whose weights
+    are the dequantized ones (activations are not quantized here)."""
+    if isinstance(weight, FP8Weight):
+        weight = weight.dequantize(x.dtype)
     return F.linear(x, weight, bias)
 
 
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                        weight: torch.Tensor, bias: torch.Tensor | None = None,
+                        weight: torch.Tensor | FP8Weight, bias: torch.Tensor | None = None,
                         out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The projection after a norm: linear(fused_add_rms_norm(x, residual)) → (y [T, N], residual' [T, H]);
     with residual None, linear(rms_norm(x)) and x is residual'. `out_dtype`: y cast to it."""
@@ -50,11 +61,46 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
 
 
 def add_rms_norm_gate_up(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                         gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                         gate_up: torch.Tensor | FP8Weight) -> tuple[torch.Tensor, torch.Tensor]:
     """An MLP's input: silu_and_mul(add_rms_norm_linear(x, residual, …, gate_up)), gate_up [2F, H] →
     (silu(gate) * up [T, F], residual' [T, H])."""
     y, residual = add_rms_norm_linear(x, residual, norm_weight, eps, gate_up)
     return silu_and_mul(y), residual
+
+
+def add_rms_norm_gate_up_gelu(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                              eps: float, gate_up: torch.Tensor | FP8Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm_gate_up with GeGLU: (gelu_tanh(gate) * up [T, F], residual' [T, H])."""
+    y, residual = add_rms_norm_linear(x, residual, norm_weight, eps, gate_up)
+    return gelu_tanh_and_mul(y), residual
+
+
+def moe_route(x: torch.Tensor, router: torch.Tensor, top_k: int,
+              renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k softmax routing: x [T, H] (normed), router [E, H] → (weights [T, k] fp32, expert ids [T, k] int64).
+    The softmax is over all E router logits in fp32; with `renormalize` the k chosen weights are divided by
+    their sum (Mixtral; Qwen3-MoE's norm_topk_prob)."""
+    probs = torch.softmax(linear(x, router).float(), dim=-1)                  # [T, E]
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids
+
+
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor) -> torch.Tensor:
+    """The chosen experts' SwiGLUs, summed with their routing weights: x [T, H], weights [T, k] fp32, ids [T, k],
+    gate_up [E, 2F, H] ([gate | up] rows of each expert), down [E, H, F] → [T, H].
+
+    As transformers computes it: one expert at a time over the tokens that chose it, each token's output scaled
+    by its weight in fp32 and added back in x's dtype, experts in ascending order. Reads the chosen ids on the
+    host (not capturable in a CUDA graph)."""
+    out = torch.zeros_like(x)
+    for e in torch.unique(ids).tolist():
+        tok, slot = torch.where(ids == e)
+        y = linear(silu_and_mul(linear(x[tok], gate_up[e])), down[e])          # [n, H]
+        out.index_add_(0, tok, (y * weights[tok, slot, None]).to(out.dtype))
+    return out
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -108,14 +154,18 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Ten
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
+                    window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Causal attention of each sequence's query tokens over its blocked KV history (this step's K/V
     already written). q [T, Hq, D] → [T, Hq, D]. GQA: Hq is a multiple of Hkv.
 
     A sequence with query length L and context length C holds its queries at positions C-L … C-1; query i
-    attends keys 0 … C-L+i. Decodes (L = 1) are batched over a padded gather; prefill chunks loop. `out`:
-    where to write the result (shaped as q), e.g. a piecewise graph's static input.
+    attends keys 0 … C-L+i, or with a sliding `window` W only the last W of them (keys C-L+i-W+1 … C-L+i, as
+    transformers' sliding mask). `softcap`: scores s·scale become softcap·tanh(s·scale / softcap) before the
+    softmax (Gemma 2). Decodes (L = 1) are batched over a padded gather; prefill chunks loop. `out`: where to
+    write the result (shaped as q), e.g. a piecewise graph's static input.
     """
+    assert window is None or window > 0, f"a sliding window holds at least one position, got {window}"
     out = torch.empty_like(q) if out is None else out
     nd = meta.num_decodes
     bs = k_cache.shape[1]
@@ -124,31 +174,63 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         tables = meta.block_tables[:nd, :nb]
         keys = _blocks(k_cache, tables).flatten(1, 2).transpose(1, 2)   # [nd, Hkv, nb*bs, D]
         vals = _blocks(v_cache, tables).flatten(1, 2).transpose(1, 2)
-        pos = torch.arange(nb * bs, device=q.device)
-        mask = (pos[None, :] < meta.context_lens[:nd, None])[:, None, None, :]   # [nd, 1, 1, nb*bs]
-        o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys.to(q.dtype), vals.to(q.dtype),
-                                           attn_mask=mask, scale=scale, enable_gqa=True)
+        pos = torch.arange(nb * bs, device=q.device)[None, :]
+        clens = meta.context_lens[:nd, None]
+        mask = pos < clens
+        if window is not None:
+            mask &= pos >= clens - window
+        o = _attend(q[:nd].unsqueeze(2), keys.to(q.dtype), vals.to(q.dtype), mask[:, None, None, :], scale,
+                    softcap)
         out[:nd] = o.squeeze(2)
-    prefill_attention(q, k_cache, v_cache, meta, scale, out)
+    prefill_attention(q, k_cache, v_cache, meta, scale, out, window, softcap)
     return out
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, out: torch.Tensor) -> None:
+                      scale: float, out: torch.Tensor, window: int | None = None,
+                      softcap: float | None = None) -> None:
     """The prompt-chunk part of paged_attention: rows from num_decodes on, written into `out` [T, Hq, D]."""
     bs = k_cache.shape[1]
     start = meta.num_decodes
     for s in range(meta.num_decodes, len(meta.query_lens)):
         qlen, clen = meta.query_lens[s], meta.context_lens_host[s]
         nb = -(-clen // bs)
-        keys = _gather(k_cache, meta.block_tables[s, :nb], clen).transpose(0, 1).to(q.dtype)  # [Hkv, C, D]
-        vals = _gather(v_cache, meta.block_tables[s, :nb], clen).transpose(0, 1).to(q.dtype)
+        # Keys before the first query's window are never attended: they are left out of the gather.
+        lo = max(0, clen - qlen - window + 1) if window is not None else 0
+        keys = _gather(k_cache, meta.block_tables[s, :nb], clen)[lo:].transpose(0, 1).to(q.dtype)  # [Hkv, C', D]
+        vals = _gather(v_cache, meta.block_tables[s, :nb], clen)[lo:].transpose(0, 1).to(q.dtype)
         qs = q[start:start + qlen].transpose(0, 1)                         # [Hq, L, D]
-        if qlen == clen:
+        if qlen == clen and window is None and softcap is None:
             o = F.scaled_dot_product_attention(qs, keys, vals, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            qpos = torch.arange(clen - qlen, clen, device=q.device)
-            mask = torch.arange(clen, device=q.device)[None, :] <= qpos[:, None]   # [L, C]
-            o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, scale=scale, enable_gqa=True)
+            qpos = torch.arange(clen - qlen, clen, device=q.device)[:, None]
+            kpos = torch.arange(lo, clen, device=q.device)[None, :]
+            mask = kpos <= qpos                                            # [L, C']
+            if window is not None:
+                mask &= kpos > qpos - window
+            o = _attend(qs, keys, vals, mask, scale, softcap)
         out[start:start + qlen] = o.transpose(0, 1)
         start += qlen
+
+
+_CAPPED_SCORES = 1 << 26        # fp32 scores a soft-capped attention holds at once (256 MiB): queries in chunks
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+            softcap: float | None) -> torch.Tensor:
+    """Masked attention: q [..., Hq, L, D], k, v [..., Hkv, C, D], mask [..., L, C] (True: attended; every
+    query attends at least one key) → [..., Hq, L, D]. Without `softcap`, SDPA; with it, transformers' eager
+    order in fp32 (scores · scale, soft-cap, mask, softmax, · V), over chunks of queries."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    g = q.shape[-3] // k.shape[-3]
+    kf = k.float().repeat_interleave(g, dim=-3).transpose(-1, -2)          # [..., Hq, D, C]
+    vf = v.float().repeat_interleave(g, dim=-3)
+    out = torch.empty_like(q)
+    step = max(1, _CAPPED_SCORES // max(1, q[..., :1, :].numel() // q.shape[-1] * k.shape[-2]))
+    for a in range(0, q.shape[-2], step):
+        s = torch.matmul(q[..., a:a + step, :].float(), kf) * scale         # [..., Hq, l, C]
+        s = torch.tanh(s / softcap) * softcap
+        s = s.masked_fill(~mask[..., a:a + step, :], float("-inf"))
+        out[..., a:a + step, :] = torch.matmul(s.softmax(-1), vf).to(q.dtype)
+    return out

@@ -29,7 +29,7 @@ from .execute.memory_plan import MemoryPlan, plan_kv, profile_step, warn_limits
 from .execute.piecewise_graphs import MAX_TOKENS as PIECEWISE_MAX_TOKENS
 from .execute.runner import GraphPlan, Runner
 from .model.decoder import DecoderModel
-from .model.loader import TensorReader, WeightReader, load_spec
+from .model.loader import TensorReader, WeightReader, load_quantization, load_spec
 from .model.parallel import TPGroup
 from .model.registry import model_class
 from .model.spec import ModelSpec
@@ -48,7 +48,7 @@ class EngineParts:
     device: torch.device
     dtype: torch.dtype                  # of the weights and the KV pool
     kernels: str                        # the op set, resolved: "cuda" | "reference"
-    max_model_len: int                  # tokens one sequence may reach: the context, capped by a sliding window
+    max_model_len: int                  # tokens one sequence may reach: the model's context, or less if asked
     tp: TPGroup | None                  # this rank's group, with tensor parallelism
     model: DecoderModel
     load_seconds: float                 # reading and placing the weights
@@ -75,9 +75,7 @@ def build(config: EngineConfig, model_path: Path | None = None, tp: TPGroup | No
         torch.cuda.set_device(device)   # the kernels launch on the current device of the thread that builds
                                         # and steps the engine
     dtype = _DTYPES[mc.dtype if mc.dtype != "auto" else ("float32" if device.type == "cpu" else "bfloat16")]
-    limit = spec.max_position_embeddings
-    if spec.sliding_window:
-        limit = min(limit, spec.sliding_window)   # dense attention is exact only inside the window
+    limit = spec.max_position_embeddings      # a sliding window does not cap it: those layers attend within it
     max_model_len = min(mc.max_model_len or limit, limit)
     t0 = time.perf_counter()
     try:
@@ -86,7 +84,8 @@ def build(config: EngineConfig, model_path: Path | None = None, tp: TPGroup | No
     except ValueError as exc:
         raise InvalidParameterError("kernels", str(exc)) from None
     reader = TensorReader(weights) if weights is not None else WeightReader(model_path)
-    model = model_class(spec).load(spec, reader, dtype, device, max_model_len, get_ops(kernels, kernel_config), tp)
+    model = model_class(spec).load(spec, reader, dtype, device, max_model_len, get_ops(kernels, kernel_config), tp,
+                                   quant=load_quantization(model_path, mc.quantization))
     kv_spec = dataclasses.replace(spec, num_kv_heads=model.num_kv_heads)   # this rank's KV heads
     load_seconds = time.perf_counter() - t0
     cc = config.cache

@@ -8,6 +8,10 @@
 // finish combines them (`combine_if_last`; `counters` [num_seqs * Hkv] int32, zero between launches). Caches
 // are [num_blocks, block_size, Hkv, D]; block_tables [num_seqs, max_blocks] int64.
 //
+// With a sliding `window` (> 0) a sequence attends to its last `window` tokens: its partitions start at
+// max(0, context - window), so the grid's splits cover min(max context, window) tokens and no block before the
+// window is read. With `softcap` (> 0) each score s·scale becomes softcap·tanh(s·scale / softcap) (Gemma 2).
+//
 //   QK:  a group of 4 lanes takes one token (8 tokens per warp at once); lane j of the group loads 16-byte
 //        chunks j, j+4, … of the key row (coalesced 64 B per group), dots them with the G queries held in
 //        shared memory, and the group sums over 2 shuffles.
@@ -79,6 +83,9 @@ __device__ __forceinline__ void load_v(uint4 (&r)[PV_UNROLL], const typename D::
   }
 }
 
+// A score after its scale, soft-capped where `cap` > 0.
+__device__ __forceinline__ float soft_cap(float x, float cap) { return cap > 0.f ? cap * tanhf(x / cap) : x; }
+
 template <typename D, int MAX_G>
 __device__ void decode_partition(const typename D::T* __restrict__ q, const typename D::T* __restrict__ k_cache,
                                  const typename D::T* __restrict__ v_cache, const long long* __restrict__ block_tables,
@@ -86,12 +93,12 @@ __device__ void decode_partition(const typename D::T* __restrict__ q, const type
                                  float* __restrict__ part_out, float* __restrict__ part_max,
                                  float* __restrict__ part_sum, int* __restrict__ counters, int num_q_heads,
                                  int num_kv_heads, int head_dim, int block_size, int max_blocks, int partition,
-                                 float scale) {
+                                 float scale, int window, float softcap) {
   constexpr int CN = Chunk<D>::N;
   const int seq = grid_seq(), kvh = grid_kvh(), split = blockIdx.z, num_splits = gridDim.z;
   const int G = num_q_heads / num_kv_heads;
   const int ctx = (int)context_lens[seq];
-  const int start = split * partition;
+  const int start = (window > 0 ? max(0, ctx - window) : 0) + split * partition;
   const long long part_row = ((long long)seq * num_q_heads + kvh * G) * num_splits + split;  // head g adds g*num_splits
   extern __shared__ float smem[];
   float* q_s = smem;                             // [G, D] the queries, fp32
@@ -174,8 +181,8 @@ __device__ void decode_partition(const typename D::T* __restrict__ q, const type
           x += __shfl_xor_sync(0xffffffffu, x, 2);
           y += __shfl_xor_sync(0xffffffffu, y, 2);
           if (sub == 0) {
-            if (va) scores[g * partition + ia] = x * scale;
-            if (vb) scores[g * partition + ib] = y * scale;
+            if (va) scores[g * partition + ia] = soft_cap(x * scale, softcap);
+            if (vb) scores[g * partition + ib] = soft_cap(y * scale, softcap);
           }
         }
       }
@@ -289,10 +296,10 @@ __device__ void decode_partition(const typename D::T* __restrict__ q, const type
       const D::T* q, const D::T* k_cache, const D::T* v_cache, const long long* block_tables,                \
       const long long* context_lens, D::T* out, float* part_out, float* part_max, float* part_sum,           \
       int* counters, int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,        \
-      int partition, float scale) {                                                                            \
+      int partition, float scale, int window, float softcap) {                                                 \
     decode_partition<D, G>(q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_max,         \
                            part_sum, counters, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks,   \
-                           partition, scale);                                                                  \
+                           partition, scale, window, softcap);                                                 \
   }
 #define MII_DECODE(SUFFIX, D)                                                                                  \
   MII_DECODE_G(SUFFIX, D, 4)                                                                                   \

@@ -18,6 +18,8 @@
 //     live in the 4 lanes of a quad, which reduce by two shuffles.
 //   - At the end the warps' states meet in shared memory, and the block writes the output (one split) or its
 //     partition for the last split to combine.
+//   - A sliding `window` (> 0) starts a sequence's partitions at max(0, context - window); a `softcap` (> 0)
+//     turns each score s·scale into softcap·tanh(s·scale / softcap) before the softmax.
 #include "common.cuh"
 #include "cp_async.cuh"
 #include "decode_combine.cuh"
@@ -88,13 +90,14 @@ __device__ void mma_partition(const typename D::T* __restrict__ q, const typenam
                               const long long* __restrict__ context_lens, typename D::T* __restrict__ out,
                               float* __restrict__ part_out, float* __restrict__ part_max, float* __restrict__ part_sum,
                               int* __restrict__ counters, int num_q_heads, int num_kv_heads, int block_size,
-                              int max_blocks, int partition, float scale) {
+                              int max_blocks, int partition, float scale, int window, float softcap) {
   typedef typename D::T T;
   const int seq = grid_seq(), kvh = grid_kvh(), split = blockIdx.z, num_splits = gridDim.z;
   const int G = num_q_heads / num_kv_heads;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int quad_row = lane >> 2, quad_col = lane & 3;   // an mma fragment's row (head) and column pair
-  const int start = split * partition;
+  // the window's first token (a step input: read before the previous kernel is waited for)
+  const int start = (window > 0 ? max(0, (int)context_lens[seq] - window) : 0) + split * partition;
   const long long part_row = ((long long)seq * num_q_heads + kvh * G) * num_splits + split;
   constexpr int kThreads = kWarps * 32;
   // Shared memory: the warps' rings [kWarps][STAGES][K, V][TILE][HD] (swizzled), then the partition's block
@@ -153,6 +156,8 @@ __device__ void mma_partition(const typename D::T* __restrict__ q, const typenam
     }
   }
   const float qscale = scale * LOG2E;
+  // soft-cap: x = cap · log2 e · tanh(s · scale / cap), in log2 units as the rest
+  const float cap_in = softcap > 0.f ? scale / softcap : 0.f, cap_out = softcap * LOG2E;
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};   // rows quad_row, quad_row + 8; m in log2 units
   float acc[HD / 8][4];                           // O: n-tile j's dims 8j + 2 quad_col (+1), both rows
 #pragma unroll
@@ -187,7 +192,7 @@ __device__ void mma_partition(const typename D::T* __restrict__ q, const typenam
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int t = base + half * 8 + 2 * quad_col + e;
-          float x = s[half][2 * h + e] * qscale;
+          float x = softcap > 0.f ? cap_out * tanhf(s[half][2 * h + e] * cap_in) : s[half][2 * h + e] * qscale;
           x = t < n ? x : minus_inf;
           s[half][2 * h + e] = x;
           mx = fmaxf(mx, x);
@@ -261,10 +266,10 @@ __device__ void mma_partition(const typename D::T* __restrict__ q, const typenam
       const D::T* q, const D::T* k_cache, const D::T* v_cache, const long long* block_tables,                \
       const long long* context_lens, D::T* out, float* part_out, float* part_max, float* part_sum,           \
       int* counters, int num_q_heads, int num_kv_heads, int block_size, int max_blocks, int partition,       \
-      float scale) {                                                                                           \
+      float scale, int window, float softcap) {                                                                \
     mma_partition<D, WARPS>(q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_max,        \
                             part_sum, counters, num_q_heads, num_kv_heads, block_size, max_blocks, partition, \
-                            scale);                                                                           \
+                            scale, window, softcap);                                                          \
   }
 MII_MMA(paged_attention_mma_bf16, 4, 3, BF16)
 MII_MMA(paged_attention_mma_f16, 4, 3, F16)

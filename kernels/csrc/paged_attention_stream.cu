@@ -12,6 +12,9 @@
 //     slice of each lane stay in registers.
 //   - At the end the 8 groups' states meet in shared memory, and the block writes the output (one split)
 //     or its partition for the last split to combine (decode_combine.cuh).
+//   - A sliding `window` (> 0) starts a sequence's partitions at max(0, context - window); a `softcap` (> 0)
+//     turns each score s·scale into softcap·tanh(s·scale / softcap), here in log2 units: the dot products
+//     carry scale · log2 e already.
 #include "common.cuh"
 #include "cp_async.cuh"
 #include "decode_combine.cuh"
@@ -54,13 +57,15 @@ __device__ void stream_partition(const typename D::T* __restrict__ q, const type
                                  const long long* __restrict__ context_lens, typename D::T* __restrict__ out,
                                  float* __restrict__ part_out, float* __restrict__ part_max,
                                  float* __restrict__ part_sum, int* __restrict__ counters, int num_q_heads,
-                                 int num_kv_heads, int block_size, int max_blocks, int partition, float scale) {
+                                 int num_kv_heads, int block_size, int max_blocks, int partition, float scale,
+                                 int window, float softcap) {
   typedef typename D::T T;
   const int seq = grid_seq(), kvh = grid_kvh(), split = blockIdx.z, num_splits = gridDim.z;
   const int G = num_q_heads / num_kv_heads;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int grp = lane / LPR, sub = lane % LPR;  // the row of the warp's RW this lane reads; its chunk
-  const int start = split * partition;
+  // the window's first token (a step input: read before the previous kernel is waited for)
+  const int start = (window > 0 ? max(0, (int)context_lens[seq] - window) : 0) + split * partition;
   const long long part_row = ((long long)seq * num_q_heads + kvh * G) * num_splits + split;
   // Shared memory: the warps' rings [NUM_WARPS][STAGES][WROWS][K, V][HD], then the partition's block ids.
   // After the stream the rings hold the groups' states instead.
@@ -149,6 +154,13 @@ __device__ void stream_partition(const typename D::T* __restrict__ q, const type
       for (int g = 0; g < MAX_G; ++g)
 #pragma unroll
         for (int off = 1; off < LPR; off <<= 1) s[j][g] += __shfl_xor_sync(0xffffffffu, s[j][g], off);
+    if (softcap > 0.f) {                         // block-uniform
+      const float cap_l2 = softcap * LOG2E, inv_cap_l2 = 1.f / cap_l2;
+#pragma unroll
+      for (int j = 0; j < RPS; ++j)
+#pragma unroll
+        for (int g = 0; g < MAX_G; ++g) s[j][g] = cap_l2 * tanhf(s[j][g] * inv_cap_l2);
+    }
 #pragma unroll
     for (int j = 0; j < RPS; ++j) {
       const int i = r * ROUND + warp * WROWS + j * RW + grp;
@@ -212,9 +224,10 @@ __device__ void stream_partition(const typename D::T* __restrict__ q, const type
       const D::T* q, const D::T* k_cache, const D::T* v_cache, const long long* block_tables,                \
       const long long* context_lens, D::T* out, float* part_out, float* part_max, float* part_sum,           \
       int* counters, int num_q_heads, int num_kv_heads, int block_size, int max_blocks, int partition,       \
-      float scale) {                                                                                           \
+      float scale, int window, float softcap) {                                                                \
     stream_partition<D>(q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_max, part_sum,  \
-                        counters, num_q_heads, num_kv_heads, block_size, max_blocks, partition, scale);       \
+                        counters, num_q_heads, num_kv_heads, block_size, max_blocks, partition, scale, window, \
+                        softcap);                                                                              \
   }
 MII_STREAM(bf16, BF16)
 MII_STREAM(f16, F16)

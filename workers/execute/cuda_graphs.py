@@ -20,6 +20,7 @@ import torch
 
 from mii_async.kernels.metadata import AttentionMetadata
 
+from .capture_gc import gc_held
 from .runner import fill_pending, pack_tables, placeholders
 from ..core.step_plan import StepPlan
 
@@ -93,20 +94,22 @@ class DecodeGraphs:
         free_before = torch.cuda.mem_get_info(self.device)[0]
         self.pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
-        for cap in reversed(self.caps):
-            for b in reversed(self.buckets):
-                side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side):             # warm-up, off the capture: kernels compile, cuBLAS
-                    out = self._forward(cap, b)           # sets up its workspaces
-                torch.cuda.current_stream(self.device).wait_stream(side)
-                if self.logits is None:
-                    self.logits = torch.empty((self.buckets[-1], out.shape[1]), dtype=out.dtype, device=self.device)
-                del out
-                torch.cuda.synchronize(self.device)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool):
-                    self.logits[:b].copy_(self._forward(cap, b))
-                cap.graphs[b] = g
+        with gc_held():                                   # no finalizer may call into CUDA mid-capture
+            for cap in reversed(self.caps):
+                for b in reversed(self.buckets):
+                    side.wait_stream(torch.cuda.current_stream(self.device))
+                    with torch.cuda.stream(side):         # warm-up, off the capture: kernels compile, cuBLAS
+                        out = self._forward(cap, b)       # sets up its workspaces
+                    torch.cuda.current_stream(self.device).wait_stream(side)
+                    if self.logits is None:
+                        self.logits = torch.empty((self.buckets[-1], out.shape[1]), dtype=out.dtype,
+                                                  device=self.device)
+                    del out
+                    torch.cuda.synchronize(self.device)
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=self.pool):
+                        self.logits[:b].copy_(self._forward(cap, b))
+                    cap.graphs[b] = g
         torch.cuda.synchronize(self.device)
         self.memory = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
         self.capture_seconds = time.perf_counter() - t0

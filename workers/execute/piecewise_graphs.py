@@ -35,6 +35,8 @@ import torch
 
 from mii_async.kernels.metadata import AttentionMetadata
 
+from .capture_gc import gc_held
+
 log = logging.getLogger("mii_async.workers.execute.piecewise_graphs")
 MAX_TOKENS = 2048               # the largest bucket at most: a longer step is GPU-bound (a 2048-token step of the
                                 # 8B shape takes ~45 ms on the GPU against ~15 ms to launch eagerly), and every
@@ -54,13 +56,17 @@ def token_buckets(max_tokens: int) -> list[int]:
 def piecewise_reserve(model, max_tokens: int) -> int:
     """What the memory plan sets aside for the piecewise graphs of `model` before they exist: the static
     buffers and one piece's working set at the largest bucket (QKV, q, two residuals, the hidden state,
-    gate|up and its SiLU), twice over for the allocator's rounding, plus 64 MiB."""
+    gate|up and its SiLU, or with experts each token's top-k experts' share of those and of their permuted
+    inputs and outputs), twice over for the allocator's rounding, plus 64 MiB."""
     spec, size = model.spec, model.embed.element_size()
     d, hidden, ffn = spec.head_dim, spec.hidden_size, spec.intermediate_size
     q_width, qkv_width = model.num_heads * d, (model.num_heads + 2 * model.num_kv_heads) * d
     m = token_buckets(max_tokens)[-1]
     static = m * (3 * 8 + (2 * q_width + 2 * hidden) * size)
-    piece = m * (qkv_width + q_width + 4 * hidden + 3 * ffn) * size
+    mlp = 3 * ffn
+    if spec.moe is not None:
+        mlp = max(mlp, spec.moe.top_k * (3 * spec.moe.moe_intermediate_size + 3 * hidden))
+    piece = m * (qkv_width + q_width + 4 * hidden + mlp) * size
     return static + 2 * piece + (64 << 20)
 
 
@@ -128,22 +134,23 @@ class PiecewiseGraphs:
         free_before = torch.cuda.mem_get_info(dev)[0]
         self.pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(dev)
-        for p in reversed(self.buckets):
-            self.io[:2 * p] = 0                           # the bucket's ids and positions; its padded rows'
-            self.io[2 * p:3 * p] = self.scratch_slot      # (here every row's) K/V into the scratch block
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):                 # warm-up, off the capture: kernels compile, cuBLAS
-                self._eager(p)                            # picks its algorithms and sets up its workspaces
-            torch.cuda.current_stream(dev).wait_stream(side)
-            torch.cuda.synchronize(dev)
-            pieces, residual = [], None
-            for i in range(len(self.model.layers) + 1):
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool):
-                    nxt = self._piece(i, p, residual)
-                residual = nxt                            # the previous one is dropped: its memory is free for
-                pieces.append(g)                          # the pieces after the next (they run after it is read)
-            self.graphs[p] = pieces
+        with gc_held():                                   # no finalizer may call into CUDA mid-capture
+            for p in reversed(self.buckets):
+                self.io[:2 * p] = 0                       # the bucket's ids and positions; its padded rows'
+                self.io[2 * p:3 * p] = self.scratch_slot  # (here every row's) K/V into the scratch block
+                side.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(side):             # warm-up, off the capture: kernels compile, cuBLAS
+                    self._eager(p)                        # picks its algorithms and sets up its workspaces
+                torch.cuda.current_stream(dev).wait_stream(side)
+                torch.cuda.synchronize(dev)
+                pieces, residual = [], None
+                for i in range(len(self.model.layers) + 1):
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=self.pool):
+                        nxt = self._piece(i, p, residual)
+                    residual = nxt                        # the previous one is dropped: its memory is free for
+                    pieces.append(g)                      # the pieces after the next (they run after it is read)
+                self.graphs[p] = pieces
         torch.cuda.synchronize(dev)
         self.memory = max(0, free_before - torch.cuda.mem_get_info(dev)[0])
         self.warm_head(self.max_rows)                     # its blocks are the activations', not the graphs'

@@ -1,10 +1,14 @@
 """DecoderModel: a decoder-only transformer over the shared blocks (layers/), and what the engine calls on it.
 
 The embedding, L pre-norm layers (attention, then the gated MLP, each adding its input to the residual stream
-in the norm of the block after it), the final norm and the LM head; logits are computed only for the rows
-that are sampled. An architecture file subclasses it, names the config.json architectures it serves, refuses
-the config fields its layers do not compute, and loads one layer (`load_layer`); the registry maps the names
-to the class.
+in the norm of the block after it; Gemma also norms each block's output before it joins the stream), the final
+norm and the LM head; logits are computed only for the rows that are sampled. An architecture file subclasses
+it, names the config.json architectures it serves, refuses the config fields its layers do not compute, and
+loads one layer (`load_layer`); the registry maps the names to the class.
+
+Each layer gets its rotary cache from `load`: the model's, or in a model whose sliding layers have their own rope
+base (Gemma 3), theirs. A layer attends within its sliding window (spec.window_of) with the one block table all
+layers share; the blocks that fall out of every window stay allocated until the sequence ends.
 
 The runner, the decode graphs and the piecewise graphs (workers/execute/) call `forward`, or a layer at a time
 `embed_tokens`, `pre_attention`, `attention`, `post_attention` and `head`, and read `spec`, `layers`, `embed`,
@@ -20,14 +24,17 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from tqdm.auto import tqdm
 
+from mii_async.errors import UnsupportedModelError
 from mii_async.kernels.metadata import AttentionMetadata
 
 from .layers.attention import Attention
 from .layers.embedding import Embedding, LMHead
 from .layers.mlp import GatedMLP
+from .layers.moe import MoE
 from .layers.norm import RMSNorm
 from .parallel import TPGroup
-from .rope import attention_factor, cos_sin_cache, inv_frequencies
+from .quantization import WeightQuant
+from .rope import rotary_cache
 from .shard_plan import ShardPlan, shard_plan
 from .spec import ModelSpec
 from .weights import Weights, WeightSource
@@ -38,9 +45,12 @@ if TYPE_CHECKING:
 
 @dataclass
 class DecoderLayer:
-    """Pre-norm: attention, then the MLP, each block's norm adding the stream so far to the residual."""
+    """Pre-norm: attention, then the MLP, each block's norm adding the stream so far to the residual; with
+    post-norms (Gemma) each block's output is normed before it joins the stream."""
     attn: Attention
-    mlp: GatedMLP
+    mlp: GatedMLP | MoE
+    post_attn_norm: RMSNorm | None = None   # on o_proj's output (Gemma's post_attention_layernorm)
+    post_mlp_norm: RMSNorm | None = None    # on down's output (Gemma's post_feedforward_layernorm)
 
     def pre_attention(self, ops: OpSet, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                       slot_mapping: torch.Tensor, k_cache: torch.Tensor,
@@ -49,12 +59,21 @@ class DecoderLayer:
 
     def post_attention(self, ops: OpSet, attn: torch.Tensor,
                        residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.mlp(ops, self.attn.output(ops, attn), residual)
+        h = self.attn.output(ops, attn)
+        if self.post_attn_norm is not None:
+            h = ops.rms_norm(h, self.post_attn_norm.weight, self.post_attn_norm.eps)
+        h, residual = self.mlp(ops, h, residual)
+        if self.post_mlp_norm is not None:
+            h = ops.rms_norm(h, self.post_mlp_norm.weight, self.post_mlp_norm.eps)
+        return h, residual
 
 
 class DecoderModel(ABC):
     architectures: ClassVar[tuple[str, ...]] = ()   # config.json `architectures` names this class runs
     model_types: ClassVar[dict[str, str]] = {}      # model_type → its architecture, for configs that name none
+    config_defaults: ClassVar[dict[str, Any]] = {}  # config.json fields its transformers config class fills in
+                                                    # when absent (loader.py reads them so)
+    norm_offset: ClassVar[float] = 0.0              # added to every RMSNorm weight at load (Gemma: 1)
 
     def __init__(self, spec: ModelSpec, embedding: Embedding, layers: list[DecoderLayer], output: LMHead,
                  ops: OpSet, tp: TPGroup | None, shard: ShardPlan | None) -> None:
@@ -65,7 +84,7 @@ class DecoderModel(ABC):
         self.ops = ops
         self.tp, self.shard = tp, shard
         self.num_heads, self.num_kv_heads = layers[0].attn.num_heads, layers[0].attn.num_kv_heads  # this rank's
-        self.scale = spec.head_dim ** -0.5          # the softmax scale of every layer's attention
+        self.scale = spec.softmax_scale             # the softmax scale of every layer's attention
 
     @property
     def embed(self) -> torch.Tensor:
@@ -84,6 +103,11 @@ class DecoderModel(ABC):
         run wrongly. Runs before the spec is read."""
 
     @classmethod
+    def embedding_scale(cls, spec: ModelSpec) -> float | None:
+        """What each embedding row is multiplied by (Gemma: sqrt(hidden_size)); None: nothing."""
+        return None
+
+    @classmethod
     @abstractmethod
     def load_layer(cls, w: Weights, spec: ModelSpec, index: int, cos_sin: torch.Tensor,
                    tp: TPGroup | None) -> DecoderLayer:
@@ -92,18 +116,29 @@ class DecoderModel(ABC):
     # -- loading -----------------------------------------------------------------------------------
     @classmethod
     def load(cls, spec: ModelSpec, reader: WeightSource, dtype: torch.dtype, device: torch.device,
-             max_positions: int, ops: OpSet, tp: TPGroup | None = None) -> DecoderModel:
-        """Loads the model, or with `tp` this rank's shard of it (reading only its slices from the files)."""
+             max_positions: int, ops: OpSet, tp: TPGroup | None = None,
+             quant: WeightQuant | None = None) -> DecoderModel:
+        """Loads the model, or with `tp` this rank's shard of it (reading only its slices from the files).
+        `quant`: the attention and MLP projections in FP8 (workers/model/quantization.py); the embedding, the
+        LM head, the norms and a mixture's experts and router stay in `dtype`."""
         shard = shard_plan(spec.num_heads, spec.num_kv_heads, spec.intermediate_size, spec.vocab_size,
                            tp.rank, tp.world) if tp is not None else None
-        w = Weights(reader, dtype, device, shard)
-        inv = inv_frequencies(spec.head_dim, spec.rope_theta, spec.rope_scaling)
-        cos_sin = cos_sin_cache(inv, max_positions, device, attention_factor(spec.rope_scaling))
-        layers = [cls.load_layer(w, spec, i, cos_sin, tp)
+        w = Weights(reader, dtype, device, shard, quant)
+        rope = rotary_cache(spec.head_dim, spec.rotary_dim, spec.rope_theta, spec.rope_scaling, max_positions,
+                            device)
+        local = (rotary_cache(spec.head_dim, spec.rotary_dim, spec.local_rope_theta, None, max_positions, device)
+                 if spec.local_rope_theta is not None else rope)
+        sliding = [bool(spec.layer_types) and spec.layer_types[i] == "sliding_attention"
+                   for i in range(spec.num_layers)]
+        layers = [cls.load_layer(w, spec, i, local if sliding[i] else rope, tp)
                   for i in tqdm(range(spec.num_layers), desc="mii_async: loading layers", unit="layer", leave=False)]
-        embedding = Embedding.load(w, "model.embed_tokens.weight", tp)
-        output = LMHead.load(w, "lm_head.weight", RMSNorm.load(w, "model.norm.weight", spec.rms_norm_eps),
-                             embedding, spec, tp)
+        for i, layer in enumerate(layers):
+            if layer.attn.window != spec.window_of(i):
+                raise UnsupportedModelError(f"sliding_window {spec.sliding_window} is not supported by "
+                                            f"{cls.__name__}: its layer {i} does not attend within it")
+        embedding = Embedding.load(w, "model.embed_tokens.weight", tp, cls.embedding_scale(spec))
+        norm = RMSNorm.load(w, "model.norm.weight", spec.rms_norm_eps, cls.norm_offset)
+        output = LMHead.load(w, "lm_head.weight", norm, embedding, spec, tp)
         return cls(spec, embedding, layers, output, ops, tp, shard)
 
     # -- a step ------------------------------------------------------------------------------------

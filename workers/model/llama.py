@@ -1,4 +1,5 @@
-"""The Llama family: Llama 2/3, Mistral and Qwen2 (q/k/v biases; tied embeddings in the small sizes).
+"""The Llama family: Llama 2/3, Mistral and Qwen2 (q/k/v biases; tied embeddings in the small sizes; sliding
+windows where the config sets them, in every layer for Mistral, in the layers it names for Qwen2).
 
 Each layer is the shared attention (QKV fused at load, rotary, paged attention) and the SiLU-gated MLP (gate
 and up fused), each with an RMSNorm before it. On CUDA the norm before a projection is its prologue and
@@ -40,5 +41,5 @@ class LlamaModel(DecoderModel):
         eps = spec.rms_norm_eps
         return DecoderLayer(
             attn=Attention.load(w, p + "self_attn.", RMSNorm.load(w, p + "input_layernorm.weight", eps), spec,
-                                cos_sin, tp),
+                                cos_sin, tp, window=spec.window_of(index)),
             mlp=GatedMLP.load(w, p + "mlp.", RMSNorm.load(w, p + "post_attention_layernorm.weight", eps), tp))

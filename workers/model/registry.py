@@ -12,10 +12,16 @@ from typing import Any
 from mii_async.errors import UnsupportedModelError
 
 from .decoder import DecoderModel
+from .gemma import Gemma2Model, Gemma3Model
 from .llama import LlamaModel
+from .mixtral import MixtralModel
+from .phi3 import Phi3Model
+from .qwen3 import Qwen3Model
+from .qwen3_moe import Qwen3MoeModel
 from .spec import ModelSpec
 
-MODELS: tuple[type[DecoderModel], ...] = (LlamaModel,)
+MODELS: tuple[type[DecoderModel], ...] = (
+    LlamaModel, MixtralModel, Qwen3Model, Qwen3MoeModel, Gemma2Model, Gemma3Model, Phi3Model)
 
 ARCHITECTURES: dict[str, type[DecoderModel]] = {a: cls for cls in MODELS for a in cls.architectures}
 MODEL_TYPES: dict[str, str] = {t: a for cls in MODELS for t, a in cls.model_types.items()}

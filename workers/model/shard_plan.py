@@ -53,3 +53,14 @@ def shard_plan(num_heads: int, num_kv_heads: int, intermediate: int, vocab: int,
                                     f"(vocab_size {vocab})")
     return ShardPlan(rank, world, q, kv, (rank * fn, (rank + 1) * fn),
                      (min(vocab, rank * vn), min(vocab, (rank + 1) * vn)), vn)
+
+
+def expert_ffn(shard: ShardPlan, moe_intermediate: int) -> tuple[int, int]:
+    """This rank's rows [start, end) of every expert's gate/up (columns of its down): F/T of each expert, as
+    `ffn` is of the dense MLP. Raises InvalidParameterError naming moe_intermediate_size when T does not
+    divide it."""
+    if moe_intermediate % shard.world:
+        raise InvalidParameterError("tensor_parallel", f"{shard.world} does not divide the experts' "
+                                    f"moe_intermediate_size {moe_intermediate}")
+    fn = moe_intermediate // shard.world
+    return shard.rank * fn, (shard.rank + 1) * fn

@@ -19,7 +19,7 @@ def _spec(tmp_path, **cfg):
 
 
 @pytest.mark.parametrize("field", ["rope_parameters", "rope_scaling"])
-@pytest.mark.parametrize("kind", ["dynamic", "longrope", "no-such-rope"])
+@pytest.mark.parametrize("kind", ["dynamic", "no-such-rope"])
 def test_unsupported_rope_type_is_refused_naming_the_field(tmp_path, field, kind):
     """A rope type the model does not implement is refused when config.json is read, naming its field."""
     rope = {"rope_type": kind, "factor": 2.0, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,

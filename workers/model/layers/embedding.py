@@ -1,5 +1,6 @@
-"""The vocabulary's two ends: Embedding (token ids → hidden states) and LMHead (the final norm and the output
-projection → logits). Under tensor parallelism both are vocab-parallel: each rank holds ceil(V/T) rows; the
+"""The vocabulary's two ends: Embedding (token ids → hidden states, scaled where the architecture scales them)
+and LMHead (the final norm and the output projection → logits, soft-capped where the architecture caps them).
+Under tensor parallelism both are vocab-parallel: each rank holds ceil(V/T) rows; the
 lookup is masked to this rank's rows and all-reduced, the logits are all-gathered for the sampler on rank 0."""
 from __future__ import annotations
 
@@ -25,20 +26,27 @@ class Embedding:
     weight: torch.Tensor            # [V, H], or this rank's rows [hi - lo, H]
     vocab: tuple[int, int] | None   # this rank's rows [lo, hi) of the vocabulary; None: all of them
     tp: TPGroup | None
+    scale: torch.Tensor | None = None   # [] in the weight's dtype: each looked-up row times it (Gemma: sqrt(H),
+                                        # rounded to the activations' dtype as transformers rounds it)
 
     @classmethod
-    def load(cls, w: Weights, name: str, tp: TPGroup | None) -> Embedding:
+    def load(cls, w: Weights, name: str, tp: TPGroup | None, scale: float | None = None) -> Embedding:
         vocab = w.shard.vocab if w.shard is not None else None
-        return cls(w.rows(name, vocab), vocab, tp)
+        weight = w.rows(name, vocab)
+        factor = torch.tensor(scale).to(device=weight.device, dtype=weight.dtype) if scale is not None else None
+        return cls(weight, vocab, tp, factor)
 
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] → [T, H]."""
         if self.vocab is None:
-            return self.weight[input_ids]
+            h = self.weight[input_ids]
+            return h * self.scale if self.scale is not None else h
         lo, hi = self.vocab                                                     # vocab-parallel: mask, then sum
         local = input_ids - lo
         inside = (local >= 0) & (local < hi - lo)
         h = self.weight[local.clamp(0, hi - lo - 1)] * inside.unsqueeze(-1).to(self.weight.dtype)
+        if self.scale is not None:
+            h = h * self.scale
         assert self.tp is not None, "a vocabulary shard without its group"
         return self.tp.all_reduce(h)
 
@@ -50,6 +58,7 @@ class LMHead:
                                     # last rank's padded with zero rows so that every rank's logits are as wide
     vocab_size: int                 # V: the gathered logits' padding is cut off at it
     tp: TPGroup | None
+    softcap: float | None = None    # logits → softcap·tanh(logit / softcap), in fp32 (Gemma 2)
 
     @classmethod
     def load(cls, w: Weights, name: str, norm: RMSNorm, embedding: Embedding, spec: ModelSpec,
@@ -63,7 +72,7 @@ class LMHead:
         shard = w.shard
         if shard is not None and weight.shape[0] < shard.vocab_per_rank:
             weight = torch.cat([weight, weight.new_zeros(shard.vocab_per_rank - weight.shape[0], weight.shape[1])])
-        return cls(norm, weight, spec.vocab_size, tp)
+        return cls(norm, weight, spec.vocab_size, tp, spec.final_logit_softcap)
 
     def __call__(self, ops: OpSet, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The last layer's h, residual [S, H] → logits [S, V] fp32."""
@@ -72,4 +81,6 @@ class LMHead:
                                             out_dtype=torch.float32 if tp is None else None)
         if tp is not None:                                                      # [S, ceil(V/T)] on each rank
             logits = tp.all_gather_last(logits)[:, :self.vocab_size].float()   # vocab-parallel lm_head
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

@@ -1,6 +1,8 @@
-"""GatedMLP: down(silu(gate(x)) · up(x)) over the normed residual stream, gate and up fused into one
-projection. Under tensor parallelism gate|up is column-parallel (each rank holds F/T of the FFN rows) and down
-row-parallel, all-reduced."""
+"""GatedMLP: down(act(gate(x)) · up(x)) over the normed residual stream, gate and up fused into one
+projection; act is SiLU (SwiGLU: Llama, Qwen, Phi-3) or tanh-approximated GELU (GeGLU: Gemma). The checkpoint
+holds gate_proj and up_proj, or one fused gate_up_proj (Phi-3: [gate rows | up rows]). Under tensor parallelism
+gate|up is column-parallel (each rank holds F/T of the FFN rows, of gate and of up) and down row-parallel,
+all-reduced. Under FP8 weights gate|up and down are FP8Weights, which the op set takes as dense ones."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..fp8_loading import LinearWeight
 from ..parallel import TPGroup
 from ..weights import Weights
 from .norm import RMSNorm
@@ -15,26 +18,38 @@ from .norm import RMSNorm
 if TYPE_CHECKING:
     from mii_async.kernels.op_set import OpSet
 
+ACTIVATIONS = ("silu", "gelu_tanh")
+
 
 @dataclass
 class GatedMLP:
     norm: RMSNorm                   # the norm before the MLP (post_attention_layernorm): gate|up's prologue
-    gate_up: torch.Tensor           # [2 F, H]: this rank's F rows of gate, then the same rows of up
-    down: torch.Tensor              # [H, F]: this rank's F columns
+    gate_up: LinearWeight           # [2 F, H]: this rank's F rows of gate, then the same rows of up (or FP8)
+    down: LinearWeight              # [H, F]: this rank's F columns (or FP8)
     tp: TPGroup | None
+    act: str = "silu"               # the gate's activation: "silu" or "gelu_tanh"
 
     @classmethod
-    def load(cls, w: Weights, prefix: str, norm: RMSNorm, tp: TPGroup | None) -> GatedMLP:
-        """gate_proj, up_proj and down_proj under `prefix` (no biases: load_spec refuses mlp_bias)."""
+    def load(cls, w: Weights, prefix: str, norm: RMSNorm, tp: TPGroup | None, *, act: str = "silu",
+             intermediate_size: int | None = None) -> GatedMLP:
+        """gate_proj and up_proj, or the fused gate_up_proj (which needs `intermediate_size`, F), and down_proj
+        under `prefix` (no biases: the architecture files refuse mlp_bias)."""
+        assert act in ACTIVATIONS, f"unknown MLP activation {act!r}"
         ffn = w.shard.ffn if w.shard is not None else None
-        gate_up = torch.cat([w.rows(prefix + "gate_proj.weight", ffn), w.rows(prefix + "up_proj.weight", ffn)], 0)
-        return cls(norm, gate_up, w.columns(prefix + "down_proj.weight", ffn), tp)
+        fused = prefix + "gate_up_proj.weight"
+        if fused in w:                  # [gate rows | up rows]: this rank's of each
+            assert intermediate_size is not None, f"{fused} is split at intermediate_size, which was not given"
+            f0, f1 = ffn if ffn is not None else (0, intermediate_size)
+            gate_up = w.linear([(fused, (f0, f1), 1), (fused, (intermediate_size + f0, intermediate_size + f1), 1)])
+        else:
+            gate_up = w.linear([(prefix + "gate_proj.weight", ffn, 1), (prefix + "up_proj.weight", ffn, 1)])
+        return cls(norm, gate_up, w.linear_columns(prefix + "down_proj.weight", ffn), tp, act)
 
     def __call__(self, ops: OpSet, h: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, H] (the attention's output) → the MLP's output [T, H], residual + h."""
-        act, residual = ops.add_rms_norm_gate_up(h, residual, self.norm.weight, self.norm.eps,
-                                                 self.gate_up)                  # silu(gate) * up [T, F]
-        h = ops.linear(act, self.down)
+        gate_up = ops.add_rms_norm_gate_up if self.act == "silu" else ops.add_rms_norm_gate_up_gelu
+        y, residual = gate_up(h, residual, self.norm.weight, self.norm.eps, self.gate_up)   # act(gate) * up [T, F]
+        h = ops.linear(y, self.down)
         if self.tp is not None:
             self.tp.all_reduce(h)                                               # row-parallel down
         return h, residual
