@@ -4,15 +4,16 @@
 """
 from __future__ import annotations
 
-from .api import client, pipeline, serve
+from .api import client, mii_query_handle, pipeline, serve
 from .async_client import AsyncClient
 from .errors import (EngineClosedError, GenerationError, InvalidParameterError, MIIAsyncError, ModelNotFoundError,
-                     OverloadedError, RequestTooLongError, UnavailableError, UnsupportedModelError)
+                     OverloadedError, PermissionDeniedError, RequestTooLongError, UnavailableError,
+                     UnsupportedModelError)
 from .outputs import FinishReason, Response, StreamChunk, Usage
 from .params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["pipeline", "serve", "client", "AsyncClient", "FinishReason", "Response", "StreamChunk", "Usage",
-           "SamplingParams", "MIIAsyncError", "InvalidParameterError", "RequestTooLongError", "ModelNotFoundError",
-           "UnsupportedModelError", "EngineClosedError", "GenerationError", "OverloadedError", "UnavailableError",
-           "__version__"]
+__all__ = ["pipeline", "serve", "client", "mii_query_handle", "AsyncClient", "FinishReason", "Response", "StreamChunk",
+           "Usage", "SamplingParams", "MIIAsyncError", "InvalidParameterError", "RequestTooLongError",
+           "ModelNotFoundError", "UnsupportedModelError", "EngineClosedError", "GenerationError", "OverloadedError",
+           "PermissionDeniedError", "UnavailableError", "__version__"]

@@ -10,9 +10,12 @@ Concurrency: any number of streams may run at once, from any number of tasks; ea
 client gets its own DEALER socket and reader task, so the client may be shared by threads with loops of their
 own. The sync facade runs on a private loop thread. Cancellation: leaving an `async for` early, or cancelling
 the task that awaits `stream`/`generate`, sends an Abort; the replica frees the request's KV blocks within a
-step. Liveness: while requests are outstanding the client pings the router every `ping_s`; a router silent
-for `timeout_s` fails them with UnavailableError instead of hanging (and, should it only have stalled, tells it
-to abort them). Closing: `close()` ends the open streams with UnavailableError, aborts them at the router and
+step. Liveness: a router that exits is known at once (its connection closes): open streams and queries fail
+with UnavailableError ("the router at ADDR is not answering"), and so does every new request, at once, until a
+router answers on the address again, which the client finds by itself. While requests are outstanding the
+client also pings the router every `ping_s`; a router silent for `liveness_timeout_s` (capped by `timeout_s`)
+fails them with UnavailableError instead of hanging (and, should it only have stalled, tells it to abort
+them). Closing: `close()` ends the open streams with UnavailableError, aborts them at the router and
 releases the sockets, the ZeroMQ context and the sync loop at once; later calls raise EngineClosedError. A
 request too large for one frame (16 MiB) raises RequestTooLongError before it is sent. `terminate_server()`
 stops the deployment.
@@ -20,70 +23,46 @@ stops the deployment.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 import weakref
-from typing import Any, AsyncIterator, Coroutine, Sequence, TypeVar
+from contextlib import aclosing
+from typing import Any, AsyncIterator, Callable, Coroutine, Sequence, TypeVar
 
 import zmq.asyncio
 
 from . import protocol as P
 from .client_connection import Connection, ConnectionConfig, Lost, within
+from .client_loops import close_then_set, on_loop, release, run_loop, stop_when_idle, term_after
+from .client_requests import checked_request, chunk_of
 from .errors import (EngineClosedError, InvalidParameterError, RequestTooLongError, UnavailableError,
                      error_from_code)
-from .outputs import Logprob, Response, StreamChunk, Usage
+from .mii_params import cap_length
+from .outputs import Response, StreamChunk
 from .params import SamplingParams
-from .text.chat_tools import check_tools, keep_call_markers
+from .streamed_response import collect, generate_streaming
+from .sync_facade import DualStream, dual, loop_running
 from .text.prompts import check_token_ids, is_messages, is_token_ids
+from .text.render_options import RenderOptions
 from .transport import DealerSocket
 from .text.unicode_text import check_text
 
 T = TypeVar("T")
 Prompt = Any   # str | list[int] (token ids) | list[dict] (chat messages)
-
-
-def _release(ctx: zmq.asyncio.Context, socks: list[DealerSocket]) -> None:
-    for sock in socks:
-        sock.close()
-    ctx.term()
-
-
-def _close_then_set(conn: Connection, closed: threading.Event) -> None:
-    try:
-        conn.close()
-    finally:
-        closed.set()
-
-
-def _term_after(ctx: zmq.asyncio.Context, closing: list[threading.Event], timeout_s: float = 5.0) -> None:
-    for closed in closing:
-        closed.wait(timeout_s)
-    ctx.term()
-
-
-async def _stop_when_idle(timeout_s: float = 5.0) -> None:
-    """Stops the running loop once its other tasks are done (at most `timeout_s` from now)."""
-    loop, me = asyncio.get_running_loop(), asyncio.current_task()
-    deadline = loop.time() + timeout_s
-    while (others := [t for t in asyncio.all_tasks() if t is not me]) and loop.time() < deadline:
-        await asyncio.wait(others, timeout=deadline - loop.time())
-    await asyncio.sleep(0)            # the finished coroutines' results reach their threads first
-    loop.stop()
-
-
-def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
-    """The sync facade's loop thread: runs until close() stops it, then frees the loop's descriptors."""
-    loop.run_forever()
-    loop.close()
+_GENERATE_OPTIONS = ("max_length", "tools", "parallel_tool_calls", "fit_context",   # generate's, not
+                     "render")                                                       # sampling's
 
 
 class AsyncClient:
     def __init__(self, address: str, *, curve_dir: str | None = None, ping_s: float = 2.0,
-                 timeout_s: float = 30.0, _process: Any = None, _gateway: Any = None) -> None:
+                 timeout_s: float = 30.0, liveness_timeout_s: float = 10.0, _process: Any = None,
+                 _gateway: Any = None) -> None:
         self.address = address
         self.curve_dir = curve_dir
         self.ping_s, self.timeout_s = ping_s, timeout_s
-        self._conn_config = ConnectionConfig(address, curve_dir, ping_s, timeout_s)   # every loop's connection's
+        self._conn_config = ConnectionConfig(address, curve_dir, ping_s, timeout_s,   # every loop's connection's
+                                             liveness_timeout_s=liveness_timeout_s)
         self._process = _process                  # the RouterProcess when serve() started it
         self._gateway = _gateway                  # its GatewayProcess, with serve(enable_http=True)
         self.http_url: str | None = _gateway.url if _gateway is not None else None
@@ -93,7 +72,7 @@ class AsyncClient:
         # context's weak set of its sockets may be cleared by then, so the finalizer holds them itself.
         self._socks: list[DealerSocket] = []
         # Not at exit: daemon threads may still poll the sockets then, and pyzmq skips term() at exit anyway.
-        self._finalizer = weakref.finalize(self, _release, self._ctx, self._socks)
+        self._finalizer = weakref.finalize(self, release, self._ctx, self._socks)
         self._finalizer.atexit = False
         self._conns: dict[asyncio.AbstractEventLoop, Connection] = {}
         self._lock = threading.Lock()
@@ -102,35 +81,66 @@ class AsyncClient:
         self._closed = False
 
     # -- streaming -----------------------------------------------------------------------------------
-    async def stream(self, prompt: Prompt, *, tools: list[dict] | None = None, parallel_tool_calls: bool = True,
-                     fit_context: bool = False, **params: Any) -> AsyncIterator[StreamChunk]:
+    def stream(self, prompt: Prompt, *, max_length: int | None = None, tools: list[dict] | None = None,
+               parallel_tool_calls: bool = True, fit_context: bool = False,
+               render: RenderOptions | dict | None = None, **params: Any) -> DualStream:
         """Yields a StreamChunk per sampled token as soon as the router has it; the last one carries
         finish_reason and usage. A refused request raises (InvalidParameterError naming the parameter,
         OverloadedError, UnavailableError); a request that fails later ends with finish_reason "error".
+        A coroutine iterates it with `async for`; plain code with `for` (each step runs on the client's loop
+        thread).
 
         `tools` (a chat only): function tools, OpenAI's shape, that the router renders into the chat's prompt
         (the template's own way, or a system section asking for `<tool_call>` blocks); `parallel_tool_calls`:
         whether that prompt allows several calls per answer. An answer that is not guided keeps the markers
         where the tokenizer holds them as special tokens, unless `skip_special_tokens` is given. `fit_context`:
-        max_new_tokens is lowered to the room the prompt leaves in the context and the KV pool."""
-        sp = SamplingParams.from_kwargs(**params)   # checked here, naming the parameter; the router checks again
-        fields = _generate_fields(params, tools, parallel_tool_calls, fit_context)
-        async for d in self._deltas(prompt, sp, fields):
-            yield _chunk(d)
+        max_new_tokens is lowered to the room the prompt leaves in the context and the KV pool. `max_length`
+        (DeepSpeed-MII's): at most this many prompt and output tokens in all (mii_params.py). `render`: how the
+        router renders and tokenizes the prompt (text/render_options.py RenderOptions, or a dict of its fields)."""
+        return DualStream(self._stream(prompt, max_length, tools, parallel_tool_calls, fit_context, params,
+                                       render), self)
 
-    async def generate(self, prompts: Prompt | Sequence[Prompt], *, tools: list[dict] | None = None,
-                       parallel_tool_calls: bool = True, fit_context: bool = False,
-                       **params: Any) -> list[Response]:
+    async def _stream(self, prompt: Prompt, max_length: int | None, tools: list[dict] | None,
+                      parallel_tool_calls: bool, fit_context: bool, params: dict[str, Any],
+                      render: Any = None) -> AsyncIterator[StreamChunk]:
+        sp, fields = checked_request(params, max_length, tools, parallel_tool_calls, fit_context, render)
+        async with aclosing(self._chunks(prompt, sp, fields, max_length)) as chunks:
+            async for c in chunks:
+                yield c
+
+    def _chunks(self, prompt: Prompt, sp: SamplingParams, fields: dict[str, Any],
+                max_length: int | None) -> AsyncIterator[StreamChunk]:
+        chunks = (chunk_of(d) async for d in self._deltas(prompt, sp, fields))
+        return chunks if max_length is None else cap_length(chunks, max_length)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], *,
+                 streaming_fn: Callable[[list[Response]], Any] | None = None, max_length: int | None = None,
+                 tools: list[dict] | None = None, parallel_tool_calls: bool = True, fit_context: bool = False,
+                 render: RenderOptions | dict | None = None, **params: Any) -> Any:
         """One Response per prompt, in order; a single prompt still gives a list. If one prompt is refused,
-        the others are aborted and the error is raised. `tools`, `parallel_tool_calls`, `fit_context`: as
-        for `stream`, for every prompt."""
+        the others are aborted and the error is raised. `max_length`, `tools`, `parallel_tool_calls`,
+        `fit_context`: as for `stream`, for every prompt. `streaming_fn` (DeepSpeed-MII's): one prompt's answer
+        is streamed, and the function called with `[Response]` for each piece (streamed_response.py).
+        From plain code the call blocks and returns the Responses; from a coroutine, await it."""
+        options = dict(max_length=max_length, tools=tools, parallel_tool_calls=parallel_tool_calls,
+                       fit_context=fit_context, render=render, **params)
+        if streaming_fn is not None:
+            return generate_streaming(self, prompts, streaming_fn, options)
+        coro = self._generate(prompts, options)
+        return coro if loop_running() else self.run(coro)
+
+    async def _generate(self, prompts: Prompt | Sequence[Prompt], options: dict[str, Any]) -> list[Response]:
         if isinstance(prompts, str) or is_token_ids(prompts) or is_messages(prompts):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise InvalidParameterError("prompts", "must be a non-empty list of prompts")
-        sp = SamplingParams.from_kwargs(**params)   # once for every prompt
-        fields = _generate_fields(params, tools, parallel_tool_calls, fit_context)
-        tasks = [asyncio.ensure_future(self._collect(p, sp, fields)) for p in prompts]
+        params = {k: v for k, v in options.items() if k not in _GENERATE_OPTIONS}
+        max_length = options["max_length"]
+        sp, fields = checked_request(params, max_length, options["tools"], options["parallel_tool_calls"],
+                              options["fit_context"], options["render"])  # once for every prompt
+        coros = [collect(self._chunks(p, sp, fields, max_length), p, sp.return_full_text, sp.logprobs is not None)
+                 for p in prompts]
+        tasks = [asyncio.ensure_future(c) for c in coros]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
@@ -139,14 +149,15 @@ class AsyncClient:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
-    def __call__(self, prompts: Prompt | Sequence[Prompt], **params: Any) -> list[Response]:
-        """The synchronous facade: `generate` run on the client's own loop thread; blocks until done."""
-        return self.run(self.generate(prompts, **params))
+    def __call__(self, prompts: Prompt | Sequence[Prompt], **params: Any) -> Any:
+        """`generate`: from plain code it blocks (on the client's own loop thread) and returns the Responses;
+        from a coroutine, await it."""
+        return self.generate(prompts, **params)
 
     async def _deltas(self, prompt: Prompt, sp: SamplingParams,
                       fields: dict[str, Any] | None = None) -> AsyncIterator[P.Delta]:
         """`sp`: the caller's parameters, checked; `fields`: the Generate's fields beside the prompt and params
-        (_generate_fields, checked)."""
+        (client_requests.py, checked)."""
         conn = self._conn()
         req_id = str(next(self._ids))
         msg = P.Generate(req_id=req_id, params=sp.to_wire(), **(fields or {}))
@@ -166,6 +177,7 @@ class AsyncClient:
                     raise InvalidParameterError(f"messages[{i}]", "keys must be strings")
         else:
             raise InvalidParameterError("prompt", "must be a string, a list of token ids or a list of chat messages")
+        conn.check_up()                  # a router known to be gone: refused here, with no Abort to send later
         q = conn.open_stream(req_id)
         done = False
         try:
@@ -191,41 +203,20 @@ class AsyncClient:
             if not done and not self._closed:
                 conn.send_later(P.Abort(req_id=req_id))
 
-    async def _collect(self, prompt: Prompt, sp: SamplingParams, fields: dict[str, Any]) -> Response:
-        text, ids, lps = [], [], []
-        prompt_ids: list[int] = []
-        prompt_lps: list[Logprob | None] | None = None
-        last: P.Delta | None = None
-        async for d in self._deltas(prompt, sp, fields):
-            text.append(d.text)
-            ids.extend(d.token_ids)
-            if d.logprobs:
-                lps.extend(map(Logprob.from_wire, d.token_ids, d.logprobs, itertools.repeat(d.token_texts)))
-            if d.prompt_ids is not None:
-                prompt_ids = d.prompt_ids
-            if d.prompt_logprobs is not None:          # decode saw the prompt's ids in the same Delta
-                prompt_lps = d.prompt_logprobs.to_logprobs(prompt_ids, d.token_texts)
-            last = d
-        assert last is not None and last.finish_reason is not None, "stream ended without a finish reason"
-        out = "".join(text)
-        if sp.return_full_text and isinstance(prompt, str):
-            out = prompt + out
-        usage = _usage(last.usage)
-        return Response(out, usage.prompt_tokens if usage else len(prompt_ids), len(ids), last.finish_reason, ids,
-                        prompt_ids, lps if sp.logprobs is not None else None, usage, last.error,
-                        prompt_lps)
-
     # -- the deployment ------------------------------------------------------------------------------
+    @dual
     async def health(self) -> dict:
         """The router's view: state ("ready", "starting", "draining", "unavailable"), replicas, counters."""
         return await self._query("health")
 
+    @dual
     async def stats(self) -> dict:
         """Fresh engine counters summed over ready replicas (used_blocks, free_blocks, running, waiting, …),
         per replica under "replicas", and under "unanswered" the replicas that did not answer in time (their
         counters are missing from the sums)."""
         return await self._query("stats")
 
+    @dual
     async def reset_prefix_cache(self) -> dict:
         """Every ready replica forgets the prefixes of the KV blocks no request holds (what a benchmark does
         between runs of the same prompts); requests running meanwhile are not disturbed. Returns the fresh
@@ -233,6 +224,7 @@ class AsyncClient:
         replica that does not answer makes it an UnavailableError that names it: the others did forget."""
         return await self._query("reset_prefix_cache")
 
+    @dual
     async def terminate_server(self, drain_s: float = 10.0) -> None:
         """Stops the deployment: live requests get up to `drain_s` to finish, then end with "abort"; every
         router and worker process exits. Returns once the router has exited when this client started it."""
@@ -246,16 +238,33 @@ class AsyncClient:
             self.close()                                # the deployment is gone; a remote one may not be
 
     def terminate_server_sync(self, drain_s: float = 10.0) -> None:
-        """`terminate_server` for synchronous code."""
+        """`terminate_server` that blocks, from plain code or (stalling its loop) from a coroutine."""
         self.run(self.terminate_server(drain_s))
+
+    @dual
+    async def wait_terminated(self, timeout_s: float | None = None) -> bool:
+        """Waits until the deployment that serve() started for this client has stopped, whoever stopped it
+        (this client, another that found it by name, the gateway's GET /terminate); True if it has, False
+        after `timeout_s` (None: no limit). Cancelling the wait leaves the deployment as it is."""
+        if self._process is None:
+            raise InvalidParameterError("client", "only the client that serve() returned knows the deployment's "
+                                        "processes; another client can ask health()")
+        return await asyncio.get_running_loop().run_in_executor(None, self._process.wait, timeout_s)
+
+    @property
+    def closed(self) -> bool:
+        """Whether close() (or terminate_server()) has run: later calls raise EngineClosedError."""
+        return self._closed
 
     async def _query(self, what: str) -> dict:
         req_id = f"q-{next(self._ids)}"
         return await self._ask(req_id, P.Query(req_id=req_id, what=what))
 
     async def _ask(self, req_id: str, msg: P.Message) -> dict:
-        """Sends `msg` and waits for the QueryReply with `req_id` (UnavailableError if the router is silent)."""
+        """Sends `msg` and waits for the QueryReply with `req_id` (UnavailableError if the router is silent or
+        gone)."""
         conn = self._conn()
+        conn.check_up()
         fut = conn.open_query(req_id)
         try:
             await conn.send(msg)
@@ -264,16 +273,20 @@ class AsyncClient:
             conn.end_query(req_id)
 
     # -- plumbing ------------------------------------------------------------------------------------
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+    def run(self, coro: Coroutine[Any, Any, T] | T) -> T:
         """Runs one of this client's coroutines from synchronous code, on the client's private loop thread.
-        After close(): EngineClosedError (that loop is stopped; the coroutine would never run)."""
+        After close(): EngineClosedError (that loop is stopped; the coroutine would never run). A value that
+        is not a coroutine is handed back: a method called from plain code has run already, so that
+        `client.run(client.health())` means what it says either way."""
+        if not asyncio.iscoroutine(coro):
+            return coro
         with self._lock:
             if self._closed:
                 coro.close()
                 raise EngineClosedError("the client is closed")
             if self._sync_loop is None:
                 loop = asyncio.new_event_loop()
-                threading.Thread(target=_run_loop, args=(loop,), name="mii_async-client", daemon=True).start()
+                threading.Thread(target=run_loop, args=(loop,), name="mii_async-client", daemon=True).start()
                 self._sync_loop = loop
         fut = asyncio.run_coroutine_threadsafe(coro, self._sync_loop)
         try:
@@ -299,6 +312,20 @@ class AsyncClient:
                 self._socks.append(conn.sock)
         return conn
 
+    def mark_unavailable(self, reason: str) -> None:
+        """Tells this client that its router is gone, for a caller that knows it before the socket does (a
+        gateway whose parent, which runs the router, exited): open streams and queries fail with
+        UnavailableError(`reason`) now, later requests at once, until a router's connection completes its
+        handshake again. Any thread: each connection is failed on its own loop (now, if that is this one)."""
+        with self._lock:
+            conns = list(self._conns.values())
+        for conn in conns:
+            with contextlib.suppress(RuntimeError):           # that loop closed: nothing of it left to fail
+                if conn.loop.is_running() and not on_loop(conn.loop):
+                    conn.loop.call_soon_threadsafe(conn.mark_down, reason)
+                else:
+                    conn.mark_down(reason)
+
     def close(self) -> None:
         """Closes every socket of this client (idempotent): its open streams end with UnavailableError and are
         aborted at the router; later calls raise EngineClosedError. The sockets, the ZeroMQ context and the sync
@@ -321,18 +348,18 @@ class AsyncClient:
             closed = threading.Event()
             closing.append(closed)
             try:
-                conn.loop.call_soon_threadsafe(_close_then_set, conn, closed)
+                conn.loop.call_soon_threadsafe(close_then_set, conn, closed)
             except RuntimeError:                     # that loop closed meanwhile
-                _close_then_set(conn, closed)
+                close_then_set(conn, closed)
         # Not here: term() waits for the last Aborts to leave (ABORT_LINGER_S), and only after the sockets on
         # other loops are closed (before, their Aborts would fail with ContextTerminated).
         self._finalizer.detach()
-        threading.Thread(target=_term_after, args=(self._ctx, closing), name="mii_async-client-close",
+        threading.Thread(target=term_after, args=(self._ctx, closing), name="mii_async-client-close",
                          daemon=True).start()
         if self._sync_loop is not None:
             # Not at once: close() may be running on that loop, inside a coroutine whose result is still to
             # be handed to the waiting thread, and other threads' coroutines end (their streams failed) first.
-            asyncio.run_coroutine_threadsafe(_stop_when_idle(), self._sync_loop)
+            asyncio.run_coroutine_threadsafe(stop_when_idle(), self._sync_loop)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -349,30 +376,3 @@ class AsyncClient:
         if self._process is not None:
             self.terminate_server_sync()
         self.close()
-
-
-def _generate_fields(params: dict[str, Any], tools: Any, parallel_tool_calls: Any,
-                     fit_context: Any) -> dict[str, Any]:
-    """A Generate's fields beside the prompt and `params` (the sampling keywords as given), checked here, where
-    the caller can be named: msgpack could not carry a malformed tool."""
-    if tools is not None:
-        check_tools(tools)
-    for name, v in (("parallel_tool_calls", parallel_tool_calls), ("fit_context", fit_context)):
-        if not isinstance(v, bool):
-            raise InvalidParameterError(name, "must be true or false")
-    return {"tools": None if tools is None else list(tools), "parallel_tool_calls": parallel_tool_calls,
-            "keep_tool_markers": keep_call_markers(tools, params), "fit_context": fit_context}
-
-
-def _usage(u: dict | None) -> Usage | None:
-    if u is None:
-        return None
-    return Usage(u["prompt_tokens"], u["completion_tokens"], u.get("cached_tokens", 0))
-
-
-def _chunk(d: P.Delta) -> StreamChunk:
-    texts = d.token_texts
-    lps = list(map(Logprob.from_wire, d.token_ids, d.logprobs, itertools.repeat(texts))) if d.logprobs else None
-    plps = d.prompt_logprobs.to_logprobs(d.prompt_ids, texts) if d.prompt_logprobs is not None else None
-    return StreamChunk(d.text, list(d.token_ids), lps, d.finish_reason, _usage(d.usage), d.error, plps,
-                       d.prompt_ids, texts)

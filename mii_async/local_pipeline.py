@@ -19,6 +19,7 @@ from .outputs import Response, StreamChunk
 from .params import SamplingParams
 from .text.chat_tools import keep_call_markers, keeping_markers
 from .text.prompts import PromptEncoder, check_prompt_size, is_messages, is_token_ids
+from .text.render_options import RenderOptions
 from .text.request_state import RequestState
 
 Prompt = Any   # str | list[int] (token ids) | list[dict] (chat messages)
@@ -41,10 +42,13 @@ class Pipeline:
 
     # -- public API ----------------------------------------------------------------------------------
     def __call__(self, prompts: Prompt | Sequence[Prompt], *, tools: list[dict] | None = None,
-                 parallel_tool_calls: bool = True, **params: Any) -> list[Response]:
+                 parallel_tool_calls: bool = True, render: RenderOptions | dict | None = None,
+                 **params: Any) -> list[Response]:
         """Generates for each prompt; blocks until all finish. A single prompt still gives a list. `tools`
-        (chats only) and `parallel_tool_calls`: as AsyncClient.stream's, for every prompt."""
-        batch = self._prepare_batch(prompts, params, tools, parallel_tool_calls)
+        (chats only) and `parallel_tool_calls`: as AsyncClient.stream's, for every prompt; `render`: how each
+        prompt is rendered and tokenized (RenderOptions or a dict of its fields: template variables,
+        add_generation_prompt, continue_final_message, add_special_tokens, truncate_prompt_tokens)."""
+        batch = self._prepare_batch(prompts, params, tools, parallel_tool_calls, render)
         done: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
         states: dict[int, RequestState] = {}
         try:
@@ -63,17 +67,19 @@ class Pipeline:
         return [s.response() for s in states.values()]
 
     async def agenerate(self, prompts: Prompt | Sequence[Prompt], *, tools: list[dict] | None = None,
-                        parallel_tool_calls: bool = True, **params: Any) -> list[Response]:
+                        parallel_tool_calls: bool = True, render: RenderOptions | dict | None = None,
+                        **params: Any) -> list[Response]:
         """Async `__call__`: one Response per prompt, in order."""
-        batch = self._prepare_batch(prompts, params, tools, parallel_tool_calls)
+        batch = self._prepare_batch(prompts, params, tools, parallel_tool_calls, render)
         return list(await asyncio.gather(*(self._run(state) for state in batch)))
 
     async def stream(self, prompt: Prompt, *, tools: list[dict] | None = None, parallel_tool_calls: bool = True,
-                     **params: Any) -> AsyncIterator[StreamChunk]:
+                     render: RenderOptions | dict | None = None, **params: Any) -> AsyncIterator[StreamChunk]:
         """Yields a StreamChunk per sampled token, as soon as it is sampled; the last one carries
-        finish_reason and usage. Leaving the loop early or cancelling aborts the request. `tools` and
-        `parallel_tool_calls`: as AsyncClient.stream's."""
-        state = self._prepare(prompt, self._params(params, tools), tools=tools, parallel_tool_calls=parallel_tool_calls)
+        finish_reason and usage. Leaving the loop early or cancelling aborts the request. `tools`,
+        `parallel_tool_calls` and `render`: as `__call__`'s."""
+        state = self._prepare(prompt, self._params(params, tools), tools=tools, parallel_tool_calls=parallel_tool_calls,
+                              render=RenderOptions.coerce(render))
         req_id = next(self._ids)
         q = self._async_sink(req_id, state)
         try:
@@ -91,9 +97,10 @@ class Pipeline:
                 self._engine.abort(req_id)
 
     def chat(self, messages: list[dict[str, Any]], *, tools: list[dict] | None = None,
-             parallel_tool_calls: bool = True, **params: Any) -> Response:
-        """One chat turn through the tokenizer's chat template (with the tools it shows)."""
-        return self([messages], tools=tools, parallel_tool_calls=parallel_tool_calls, **params)[0]
+             parallel_tool_calls: bool = True, render: RenderOptions | dict | None = None, **params: Any) -> Response:
+        """One chat turn through the tokenizer's chat template (with the tools it shows; `render`: as
+        `__call__`'s)."""
+        return self([messages], tools=tools, parallel_tool_calls=parallel_tool_calls, render=render, **params)[0]
 
     def stats(self) -> dict[str, int]:
         """KV pool and scheduler counters (blocks used/free, prefix hits, preemptions, …)."""
@@ -145,14 +152,16 @@ class Pipeline:
         return chunk
 
     def _prepare_batch(self, prompts: Prompt | Sequence[Prompt], params: dict[str, Any],
-                       tools: list[dict] | None = None, parallel_tool_calls: bool = True) -> list[RequestState]:
+                       tools: list[dict] | None = None, parallel_tool_calls: bool = True,
+                       render: RenderOptions | dict | None = None) -> list[RequestState]:
         sp = self._params(params, tools)
+        options = RenderOptions.coerce(render)
         if isinstance(prompts, str) or is_token_ids(prompts) or is_messages(prompts):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise InvalidParameterError("prompts", "must be a non-empty list of prompts")
-        return [self._prepare(p, sp, keep_logprobs=True, tools=tools, parallel_tool_calls=parallel_tool_calls)
-                for p in prompts]     # keep_logprobs: for their Responses
+        return [self._prepare(p, sp, keep_logprobs=True, tools=tools, parallel_tool_calls=parallel_tool_calls,
+                              render=options) for p in prompts]     # keep_logprobs: for their Responses
 
     def _params(self, params: dict[str, Any], tools: list[dict] | None) -> SamplingParams:
         """The caller's sampling keywords, checked; an answer read for tool calls keeps the call markers."""
@@ -160,16 +169,18 @@ class Pipeline:
         return keeping_markers(sp, self.tokenizer) if keep_call_markers(tools, params) else sp
 
     def _prepare(self, prompt: Prompt, params: SamplingParams, keep_logprobs: bool = False,
-                 tools: list[dict] | None = None, parallel_tool_calls: bool = True) -> RequestState:
+                 tools: list[dict] | None = None, parallel_tool_calls: bool = True,
+                 render: RenderOptions | None = None) -> RequestState:
         """Tokenizes a text, a list of token ids or chat messages (with their tools); validation errors name
         `prompt`. `keep_logprobs`: the state gathers the logprobs for response() (a stream's chunks carry them
         alone). A text or chat too long for any tokenizer to fit the context is refused before it is tokenized."""
         limits = self._engine.engine.limits
         check_prompt_size(prompt, tools, min(limits.max_model_len, limits.max_request_tokens))
-        _, ids = self._encoder.encode(prompt, tools, parallel_tool_calls)
+        text, ids = self._encoder.encode(prompt, tools, parallel_tool_calls, render)
         self._engine.engine.check_request(ids, params)
-        # return_full_text prepends a text prompt only, as the mesh client does (not a chat's rendered template)
-        text = prompt if isinstance(prompt, str) else None
+        # return_full_text prepends a text prompt only (as truncate_prompt_tokens left it), as the mesh client
+        # does (not a chat's rendered template)
+        text = text if isinstance(prompt, str) else None
         return RequestState(self.tokenizer, text, ids, params, keep_logprobs=keep_logprobs,
                             decode_prompt_logprobs=True)        # the chunks carry Logprob objects
 

@@ -20,6 +20,7 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024    # entries of logit_bias
+MAX_ALLOWED_TOKEN_IDS = 1 << 17  # entries of allowed_token_ids (a large vocabulary's size)
 MAX_STOP_STRING_LEN = 256
 MAX_INT = 2**31 - 1      # bound on counts (max_new_tokens, top_k, …): larger values mean nothing and overflow
 MAX_TOKEN_ID = 2**32 - 1 # token ids travel as uint32
@@ -60,6 +61,8 @@ class SamplingParams:
                                        # as text); {"type": "object"}: any JSON object (OpenAI's JSON mode)
     guided_regex: str | None = None    # the output matches this regular expression
     guided_choice: tuple[str, ...] | None = None  # the output is one of these strings
+    allowed_token_ids: tuple[int, ...] | None = None  # only these ids may be sampled (vLLM's), masked before the
+                                       # logprobs are taken as a guide's are; kept sorted, each once; None: any
 
     def __post_init__(self) -> None:
         _int(self, "max_new_tokens", lo=1, hi=MAX_INT)
@@ -105,6 +108,8 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             _int(self, "prompt_logprobs", lo=0, hi=MAX_LOGPROBS)
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", _allowed_ids(self.allowed_token_ids))
         named = [f for f in GUIDED_FIELDS if getattr(self, f) is not None]
         if len(named) > 1:
             raise InvalidParameterError(named[1], f"only one of {', '.join(GUIDED_FIELDS)} may be given")
@@ -142,6 +147,9 @@ class SamplingParams:
         for i in self.stop_token_ids:
             if i >= vocab_size:
                 raise InvalidParameterError("stop_token_ids", f"id {i} is outside the vocabulary (size {vocab_size})")
+        if self.allowed_token_ids and self.allowed_token_ids[-1] >= vocab_size:
+            raise InvalidParameterError("allowed_token_ids", f"id {self.allowed_token_ids[-1]} is outside the "
+                                                             f"vocabulary (size {vocab_size})")
         if self.logit_bias and self.logit_bias[-1][0] >= vocab_size:
             raise InvalidParameterError("logit_bias", f"id {self.logit_bias[-1][0]} is outside the vocabulary "
                                                       f"(size {vocab_size})")
@@ -179,11 +187,21 @@ class SamplingParams:
 
 _NAMES = tuple(f.name for f in dataclasses.fields(SamplingParams))
 _FIELDS = set(_NAMES)
-_TUPLES = ("stop", "stop_token_ids", "guided_choice")   # tuples of scalars: lists on the wire
+_TUPLES = ("stop", "stop_token_ids", "guided_choice", "allowed_token_ids")   # tuples of scalars: lists on the wire
 
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _allowed_ids(v: Any) -> tuple[int, ...]:
+    """A non-empty list of token ids → sorted distinct ids, checked."""
+    if not isinstance(v, (list, tuple)) or not v or not all(_is_int(i) and 0 <= i <= MAX_TOKEN_ID for i in v):
+        raise InvalidParameterError("allowed_token_ids", "must be a non-empty list of token ids (integers in "
+                                                         "[0, 2**32))")
+    if len(v) > MAX_ALLOWED_TOKEN_IDS:
+        raise InvalidParameterError("allowed_token_ids", f"at most {MAX_ALLOWED_TOKEN_IDS} ids, got {len(v)}")
+    return tuple(sorted(set(v)))
 
 
 def _logit_bias(v: Any) -> tuple[tuple[int, float], ...]:

@@ -44,7 +44,8 @@ def create_app(state: GatewayState) -> FastAPI:
     """The app; `state.start()` runs in its lifespan (the router must answer then)."""
     from contextlib import asynccontextmanager
 
-    from . import ops, openai_routes, rest, tokenize_routes, ui, ws
+    from . import ops, openai_routes, responses_routes, rest, tokenize_routes, ui, ws
+    from .responses_store import MemoryResponseStore
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -54,7 +55,9 @@ def create_app(state: GatewayState) -> FastAPI:
 
     app = FastAPI(title="mii_async gateway", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.gateway = state
-    for r in (ops.router, openai_routes.router, tokenize_routes.router, rest.router, ws.router, ui.router):
+    app.state.responses = MemoryResponseStore()       # the Responses API's stored responses (store: true)
+    for r in (ops.router, openai_routes.router, responses_routes.router, tokenize_routes.router, rest.router,
+              ws.router, ui.router):
         app.include_router(r)
     app.mount("/static", ui.static_files(), name="static")
 

@@ -5,7 +5,10 @@ in errors: max_tokens (ours: max_new_tokens) and min_tokens (ours: min_new_token
 
 A chat travels as its messages, with the tools its prompt shows: the router renders and tokenizes it
 (text/chat_tools.py), and fits a chat without max_tokens to the room its prompt leaves; required / named calls
-travel as a guided_json schema (tool_mode.py).
+travel as a guided_json schema (tool_mode.py). vLLM's render fields (chat_template_kwargs, with
+reasoning_effort and verbosity put there; add_generation_prompt, continue_final_message, add_special_tokens,
+truncate_prompt_tokens) travel as the job's RenderOptions (text/render_options.py), sent only when they differ
+from the defaults. response_format (either route) and vLLM's structured_outputs become the guided_* fields.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from ..errors import InvalidParameterError
 from ..guided import GUIDED_FIELDS
 from ..params import MAX_LOGPROBS, SamplingParams
 from ..text.chat_tools import has_tool_calls
+from ..text.render_options import RenderOptions
 from .http_errors import bad_request
 from .openai_schemas import ChatCompletionRequest, CompletionRequest, _Common
 from .state import CHAT_MAX_TOKENS_CAP, GatewayState
@@ -26,11 +30,19 @@ MAX_N = 16
 MAX_CHOICES = 1024       # prompts × n of one request: each is an engine request
 RENAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 CHAT_RENAME = {**RENAME, "prompt": "messages"}     # a chat's prompt is its messages
-# OpenAI's chat fields that we accept at their neutral values only: (name, those values, why no other)
-_NEUTRAL = (("store", (None, False), "nothing is stored"),
-            ("service_tier", (None, "auto", "default"), "one tier serves every request"),
-            ("reasoning_effort", (None,), "the model does not reason apart from its answer"),
+# OpenAI's fields that we accept at their neutral values only: (name, those values, why no other)
+_NEUTRAL = (("store", (None, False), "nothing is stored on this route (the Responses API stores)"),
             ("modalities", (None, ["text"]), "the model answers in text only"))
+SERVICE_TIERS = (None, "auto", "default", "flex", "scale", "priority")   # a label: one tier serves every request
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+VERBOSITIES = ("low", "medium", "high")
+# structured_outputs' fields → ours; the refused ones: why
+_STRUCTURED = (("json_", "guided_json"), ("regex", "guided_regex"), ("choice", "guided_choice"))
+_NO_STRUCTURED = {"grammar": "grammars are not supported (the guides are regular): give json, regex or choice",
+                  "structural_tag": "structural tags are not supported: give json, regex or choice",
+                  "whitespace_pattern": "the JSON guide's whitespace is fixed",
+                  "disable_any_whitespace": "the JSON guide's whitespace is fixed",
+                  "disable_additional_properties": "say additionalProperties: false in the schema instead"}
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
 
 
@@ -49,11 +61,28 @@ def _common(body: _Common) -> dict[str, Any]:
         p["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
     if body.stop_token_ids:
         p["stop_token_ids"] = list(body.stop_token_ids)
+    if body.allowed_token_ids is not None:
+        p["allowed_token_ids"] = list(body.allowed_token_ids)
     if body.logit_bias:
         p["logit_bias"] = [[k, b] for k, b in body.logit_bias.items()]
+    for name, neutral, why in _NEUTRAL:
+        if (v := getattr(body, name, None)) not in neutral:
+            raise bad_request(name, f"{name}={v!r} is not supported: {why}")
+    if body.service_tier not in SERVICE_TIERS:
+        raise bad_request("service_tier", f"service_tier must be one of {', '.join(map(str, SERVICE_TIERS[1:]))}, "
+                                          f"got {body.service_tier!r}")
     for name in GUIDED_FIELDS:
         if (v := getattr(body, name)) is not None:
             p[name] = v
+    if body.guided_grammar is not None:
+        raise bad_request("guided_grammar", "guided_grammar is not supported (the guides are regular): give "
+                                            "guided_json, guided_regex or guided_choice")
+    for source, guide in (("structured_outputs", _structured(body)), ("response_format",
+                                                                       _response_format(body.response_format))):
+        if guide:
+            if clash := next((k for k in GUIDED_FIELDS if k in p), None):
+                raise bad_request(source, f"give one of {source} and {guide_source(body, clash)}, not both")
+            p.update(guide)
     if body.stream_options is not None and not body.stream:    # as OpenAI and vLLM
         raise bad_request("stream_options", "stream_options is only allowed with stream: true")
     if (v := body.prompt_logprobs) is not None:
@@ -64,6 +93,74 @@ def _common(body: _Common) -> dict[str, Any]:
             raise bad_request("prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {v}")
         p["prompt_logprobs"] = v
     return p
+
+
+def _structured(body: _Common) -> dict[str, Any]:
+    """vLLM's structured_outputs → our guided_* field."""
+    so = body.structured_outputs
+    if so is None:
+        return {}
+    for name, why in _NO_STRUCTURED.items():
+        if getattr(so, name) not in (None, False):
+            raise bad_request(f"structured_outputs.{name}", f"structured_outputs.{name} is not supported: {why}")
+    given = [(theirs, ours, v) for theirs, ours in _STRUCTURED if (v := getattr(so, theirs)) is not None]
+    if so.json_object:
+        given.append(("json_object", "guided_json", {"type": "object"}))
+    if len(given) != 1:
+        raise bad_request("structured_outputs", "structured_outputs takes exactly one of json, regex, choice and "
+                          f"json_object, got {len(given)}")
+    theirs, ours, v = given[0]
+    try:
+        SamplingParams(**{ours: v})
+    except InvalidParameterError as exc:
+        raise bad_request(f"structured_outputs.{theirs.rstrip('_')}",
+                          str(exc).removeprefix(f"{ours}: ")) from None
+    return {ours: v}
+
+
+def guide_source(body: _Common, field: str) -> str:
+    """How the caller gave the request's guided_* `field`: by that name, as response_format or as
+    structured_outputs.json / .regex / .choice / .json_object."""
+    if getattr(body, field, None) is not None:
+        return field
+    rf = body.response_format
+    if field == "guided_json" and isinstance(rf, dict) and rf.get("type") in ("json_object", "json_schema"):
+        return "response_format"
+    so = body.structured_outputs
+    if so is not None:
+        if field == "guided_json" and so.json_object:
+            return "structured_outputs.json_object"
+        theirs = next((t for t, ours in _STRUCTURED if ours == field), None)
+        if theirs is not None and getattr(so, theirs) is not None:
+            return f"structured_outputs.{theirs.rstrip('_')}"
+    return field
+
+
+def render_options(body: _Common, chat: bool) -> RenderOptions:
+    """The request's RenderOptions (a chat's template variables get reasoning_effort and verbosity, as vLLM
+    gives them, under the caller's own chat_template_kwargs)."""
+    fields: dict[str, Any] = {"add_special_tokens": body.add_special_tokens,
+                              "truncate_prompt_tokens": body.truncate_prompt_tokens}
+    if chat:
+        assert isinstance(body, ChatCompletionRequest)
+        kwargs: dict[str, Any] = {}
+        for name, values in (("reasoning_effort", REASONING_EFFORTS), ("verbosity", VERBOSITIES)):
+            if (v := getattr(body, name)) is not None:
+                if v not in values:
+                    raise bad_request(name, f"{name} must be one of {', '.join(values)}, got {v!r}")
+                kwargs[name] = v
+        kwargs.update(body.chat_template_kwargs or {})
+        fields.update(chat_template_kwargs=kwargs or None, continue_final_message=bool(body.continue_final_message),
+                      add_generation_prompt=True if body.add_generation_prompt is None else body.add_generation_prompt)
+    try:
+        return RenderOptions(**fields)
+    except InvalidParameterError as exc:
+        raise bad_request(exc.param, str(exc)) from None
+
+
+def _with_render(options: dict[str, Any], render: RenderOptions) -> dict[str, Any]:
+    """client.stream's keywords with `render`, where it is not the defaults (which any router renders so)."""
+    return options if render.is_default else {**options, "render": render}
 
 
 def _response_format(rf: dict[str, Any] | None) -> dict[str, Any]:
@@ -136,12 +233,6 @@ def completion_jobs(body: CompletionRequest) -> list[Job]:
     n = _n(body)
     if body.best_of is not None and body.best_of != n:
         raise bad_request("best_of", "best_of other than n is not supported")
-    if body.echo and body.max_tokens == 0:
-        # Older clients score a prompt this way; the engine samples at least one token per request. Current
-        # lm-eval-harness (local-completions) sends echo, logprobs 1 and max_tokens 1, and slices off the last
-        # token: that works.
-        raise bad_request("max_tokens", "max_tokens 0 (echo the prompt without generating) is not supported: "
-                          "ask for max_tokens 1 and leave out the last token of the answer")
     prompt = body.prompt
     if isinstance(prompt, str):
         prompts: list[Any] = [prompt]
@@ -153,11 +244,20 @@ def completion_jobs(body: CompletionRequest) -> list[Job]:
         raise bad_request("prompt", "prompt must be a non-empty string, a list of them, or token ids")
     params = _common(body)
     params["max_new_tokens"] = body.max_tokens if body.max_tokens is not None else 16
+    if echo_only(body):
+        # The prompt (with its logprobs) is the answer, as vLLM scores one: the engine samples one token,
+        # which the answer leaves out (openai_routes.py)
+        params["max_new_tokens"] = 1
     if body.logprobs is not None:
         params["logprobs"] = body.logprobs
         if body.echo:          # the choice's logprobs cover the echoed prompt's tokens too
             params["prompt_logprobs"] = max(body.logprobs, params.get("prompt_logprobs", 0))
-    return _jobs(prompts, params, n)
+    return _jobs(prompts, params, n, options=_with_render({}, render_options(body, chat=False)))
+
+
+def echo_only(body: Any) -> bool:
+    """A completion that only echoes its prompt: echo with max_tokens 0 (how a client scores a prompt)."""
+    return isinstance(body, CompletionRequest) and bool(body.echo) and body.max_tokens == 0
 
 
 def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -247,23 +347,17 @@ async def chat_plan(body: ChatCompletionRequest, state: GatewayState) -> tuple[l
         if getattr(body, legacy) is not None:
             raise bad_request(legacy, f"{legacy} (the legacy function calling) is not supported: give the functions "
                               "as tools, and tool_choice instead of function_call")
-    for name, neutral, why in _NEUTRAL:
-        if (v := getattr(body, name)) not in neutral:
-            raise bad_request(name, f"{name}={v!r} is not supported: {why}")
     n = _n(body)
     messages = chat_messages(body.messages)
     mode = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls)
     params = _common(body)
-    if guided := _response_format(body.response_format):
-        if any(k in params for k in GUIDED_FIELDS):
-            raise bad_request("response_format", "give either response_format or a guided_* field, not both")
-        if mode is not None:
-            raise bad_request("response_format", "response_format json_object / json_schema cannot be combined "
-                                                 "with tools")
-        params.update(guided)
+    render = render_options(body, chat=True)
     if mode is not None:
         if clash := next((k for k in GUIDED_FIELDS if k in params), None):
-            raise bad_request(clash, f"{clash} cannot be combined with tools")
+            if (source := guide_source(body, clash)) == "response_format":
+                raise bad_request("response_format", "response_format json_object / json_schema cannot be "
+                                                     "combined with tools")
+            raise bad_request(source, f"{source} cannot be combined with tools")
         if (schema := mode.guided_json()) is not None:
             params["guided_json"] = schema
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -292,6 +386,6 @@ async def chat_plan(body: ChatCompletionRequest, state: GatewayState) -> tuple[l
         raise bad_request("top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}")
     if body.logprobs:
         params["logprobs"] = body.top_logprobs or 0
-    return (_jobs([prompt], params, n, chat_rename(body), options),
+    return (_jobs([prompt], params, n, chat_rename(body), _with_render(options, render)),
             mode if mode is not None and mode.choice != "none" else None)
 

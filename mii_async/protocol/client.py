@@ -35,6 +35,18 @@ class Generate:
     fit_context: bool = False                      # params' max_new_tokens is a ceiling: the router lowers it to
                                                    # the room the prompt leaves in the context and the KV pool
                                                    # (the gateway's default for a chat without max_tokens)
+    # How the prompt is rendered and tokenized (text/render_options.py RenderOptions, whose fields these are;
+    # the router checks them again): the defaults render as before these fields existed.
+    chat_template_kwargs: dict | None = None       # with messages: extra variables for the chat template (JSON
+                                                   # values; apply_chat_template's own parameter names refused)
+    add_generation_prompt: bool = True             # with messages: the prompt ends with the assistant's turn opened
+    continue_final_message: bool = False           # with messages: the prompt ends inside the last message, which
+                                                   # the answer continues (only with add_generation_prompt false)
+    add_special_tokens: bool | None = None         # the tokenizer's special tokens (BOS) around the text; None:
+                                                   # true for a text prompt, false for messages (the template
+                                                   # writes them); prompt_ids are used as given
+    truncate_prompt_tokens: int | None = None      # ≥ 1: only the prompt's last this many tokens are kept (after
+                                                   # rendering and tokenizing); None: all
 
 
 @message

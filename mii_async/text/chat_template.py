@@ -34,3 +34,19 @@ def render_template(tokenizer: Any, messages: list[dict[str, Any]], tools: list 
                                              tokenize=False)
     except Exception as exc:  # noqa: BLE001 - jinja2's TemplateError, or a template that needs what we lack
         raise InvalidParameterError("messages", f"the chat template cannot render these messages: {exc}") from None
+
+
+class WithTemplateArgs:
+    """A tokenizer whose `apply_chat_template` also gets a request's `extra` arguments (its template variables,
+    continue_final_message): every render of that request sees them, chat_tools.py's probes and fallback
+    included, through the same calls as without. Anything else is the tokenizer's own."""
+
+    def __init__(self, tokenizer: Any, extra: dict[str, Any]) -> None:
+        self._tokenizer = tokenizer
+        self._extra = extra
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any:
+        return self._tokenizer.apply_chat_template(conversation, **kwargs, **self._extra)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)

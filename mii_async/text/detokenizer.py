@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
 from .byte_runs import Utf8, byte_runs, utf8_state
+from .token_bytes import TokenSpeller
 
 # How many prompt ids seed the window: enough context for the first generated token to decode exactly as it
 # would after the prompt (leading space, byte merges), few enough that seeding costs nothing.
@@ -147,15 +148,24 @@ class IncrementalDetokenizer:
         self._ids.extend(token_ids)
         return self._emit(self._decode_pending(final=False))
 
-    def flush(self) -> str:
+    def flush(self, *, drop_incomplete: bool = False) -> str:
         """At the end of a request not stopped by a stop string: return all held-back text.
 
         Ids still pending are decoded as they are, so an invalid byte sequence at the very end shows as U+FFFD,
         exactly as in a full decode. A stop string completed by that last text still truncates it.
+        `drop_incomplete` (a request cut by max_new_tokens): a character that the last ids began and no id
+        finished is left out, not shown as U+FFFD (its tokens still count as generated); bytes already invalid
+        show as U+FFFD all the same.
         """
         if self._finished:
             return ""
-        delta = self._emit(self._decode_pending(final=True))
+        if drop_incomplete and self._runs is not None:
+            self._cut_unfinished_run()
+        pending = self._ids[self._read_offset:]
+        text = self._decode_pending(final=True)
+        if drop_incomplete and self._runs is None and text.endswith(REPLACEMENT_CHAR) and self._unfinished(pending):
+            text = text[:-1]      # an unfinished character decodes as one U+FFFD (a lossy UTF-8 decode's rule)
+        delta = self._emit(text)
         self._finished = True
         if delta.stopped:
             return delta.text
@@ -232,6 +242,27 @@ class IncrementalDetokenizer:
             new_prefix = read if q is None else q
         self._prefix_offset, self._read_offset = new_prefix, cut
         return text[len(prefix_text):]
+
+    def _cut_unfinished_run(self) -> None:
+        """Byte fallback: drops the byte tokens of an unfinished character that ends a run valid so far (decoded
+        whole, the run would be one U+FFFD per byte). An invalid run was shown as it came: it stays."""
+        ids, runs = self._ids, self._runs
+        assert runs is not None
+        start = runs.trailing_run(ids, self._prefix_offset)
+        if start < len(ids) and utf8_state(runs.run_bytes(ids[start:])) is Utf8.INCOMPLETE:
+            del ids[max(runs.complete_end(ids, start), self._read_offset):]
+
+    def _unfinished(self, pending: list[int]) -> bool:
+        """Whether the bytes of `pending` (ids the decoder shows) end inside a character; False where the
+        tokenizer's bytes are not known (no `tokenizers` backend)."""
+        speller = TokenSpeller.of(self._tokenizer)
+        if speller is None:
+            return False
+        skipped = {i for i, t in speller.added.items() if t.special} if self._skip_special_tokens else set()
+        data = b"".join(speller.spell(i) for i in pending if i not in skipped)
+        # the last character's lead byte is among the last 4 bytes; after it, continuation bytes only
+        lead = next((k for k in range(len(data) - 1, max(len(data) - 5, -1), -1) if not 0x80 <= data[k] < 0xC0), None)
+        return lead is not None and utf8_state(data[lead:]) is Utf8.INCOMPLETE
 
     # ---- layer 2: stop strings -----------------------------------------------------------------------
 

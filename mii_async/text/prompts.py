@@ -1,7 +1,8 @@
 """PromptEncoder: a prompt as a caller gives it (text, token ids or chat messages, with the tools a chat shows)
 → (text, token ids).
 
-Used by the router (off its event loop) and by the local pipeline: the one place where a prompt becomes ids.
+Used by the router (off its event loop) and by the local pipeline: the one place where a prompt becomes ids,
+as a request's RenderOptions say (render_options.py: template variables, special tokens, truncation).
 Errors name the parameter: `prompt` for a value of the wrong kind, `messages[i]` for a malformed chat message,
 `tools[i]` for a malformed tool. `check_prompt_size` refuses, without tokenizing, a text or chat too long for any
 tokenizer to fit a context: the router (on arrival) and the local pipeline call it before encoding.
@@ -13,8 +14,9 @@ import json
 from typing import Any
 
 from ..errors import InvalidParameterError, RequestTooLongError
-from .chat_template import check_messages, render_template
+from .chat_template import WithTemplateArgs, check_messages, render_template
 from .chat_tools import has_tool_calls, render_chat
+from .render_options import RenderOptions
 from .unicode_text import check_text
 
 
@@ -72,30 +74,53 @@ class PromptEncoder:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
-    def encode(self, prompt: Any, tools: list[dict[str, Any]] | None = None,
-               parallel_tool_calls: bool = True) -> tuple[str | None, list[int]]:
+    def encode(self, prompt: Any, tools: list[dict[str, Any]] | None = None, parallel_tool_calls: bool = True,
+               options: RenderOptions | None = None) -> tuple[str | None, list[int]]:
         """Returns the prompt's text (None for token ids) and its token ids. `tools` (chat messages only): the
-        functions the prompt shows; `parallel_tool_calls`: whether it allows several calls per answer."""
+        functions the prompt shows; `parallel_tool_calls`: whether it allows several calls per answer;
+        `options`: how it is rendered and tokenized (None: the defaults). A text cut by truncate_prompt_tokens
+        is returned as its kept ids decode."""
+        o = options if options is not None else RenderOptions()
         if tools is not None and not is_messages(prompt):
             raise InvalidParameterError("tools", "tools go with a chat: give the prompt as messages")
+        if not is_messages(prompt) and (name := o.chat_only_given()) is not None:
+            raise InvalidParameterError(name, f"{name} goes with a chat: give the prompt as messages")
         if isinstance(prompt, str):
             check_text("prompt", prompt)
-            return prompt, list(self.tokenizer(prompt)["input_ids"])
-        if is_token_ids(prompt):
+            text: str | None = prompt
+            ids = list(self.tokenizer(prompt, add_special_tokens=o.add_special_tokens is not False)["input_ids"])
+        elif is_token_ids(prompt):
             check_token_ids(prompt)
-            return None, list(prompt)
-        if is_messages(prompt):
-            text = self.render(list(prompt), tools, parallel_tool_calls)
-            return text, list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        raise InvalidParameterError("prompt", "must be a string, a list of token ids or a list of chat messages")
+            text, ids = None, list(prompt)
+        elif is_messages(prompt):
+            text = self.render(list(prompt), tools, parallel_tool_calls, options=o)
+            ids = list(self.tokenizer(text, add_special_tokens=bool(o.add_special_tokens))["input_ids"])
+        else:
+            raise InvalidParameterError("prompt", "must be a string, a list of token ids or a list of chat messages")
+        k = o.truncate_prompt_tokens
+        if k is not None and len(ids) > k:
+            # as vLLM: the prompt's end is kept, where the question and the turn the answer continues are
+            ids = ids[-k:]
+            if text is not None:
+                text = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return text, ids
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-               parallel_tool_calls: bool = True, add_generation_prompt: bool = True) -> str:
+               parallel_tool_calls: bool = True, add_generation_prompt: bool = True, *,
+               options: RenderOptions | None = None) -> str:
         """A chat's prompt text (the template holds its special tokens): with tools, or with a history that
-        holds tool calls, as chat_tools.py renders them; else the messages through the template as they are."""
+        holds tool calls, as chat_tools.py renders them; else the messages through the template as they are.
+        `options` (its add_generation_prompt in place of the argument): the template's extra variables and
+        continue_final_message."""
+        tokenizer = self.tokenizer
+        if options is not None:
+            add_generation_prompt = options.add_generation_prompt
+            if extra := options.template_extra():
+                tokenizer = WithTemplateArgs(tokenizer, extra)
         if tools or has_tool_calls(messages):
-            return render_chat(self.tokenizer, messages, tools or None, parallel_tool_calls, add_generation_prompt)
-        return self.apply_chat_template(messages, add_generation_prompt)
+            return render_chat(tokenizer, messages, tools or None, parallel_tool_calls, add_generation_prompt)
+        check_messages(tokenizer, messages)
+        return render_template(tokenizer, messages, None, add_generation_prompt)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         check_messages(self.tokenizer, messages)

@@ -111,7 +111,9 @@ class RequestState:
             self.finish_reason = FinishReason.STOP
             self.needs_abort = ev.finish_reason is None
         elif ev.finish_reason is not None:
-            text += self._detok.flush()           # a stop string its text completes wins, as in vLLM
+            # a stop string its text completes wins, as in vLLM; cut by max_new_tokens, a character its last
+            # tokens only began is left out (not U+FFFD)
+            text += self._detok.flush(drop_incomplete=ev.finish_reason == "length")
             self.finish_reason = FinishReason.STOP if self._detok.stop_str is not None else FinishReason(
                 ev.finish_reason)
         return self._chunk(text, [tok], [lp] if lp is not None else None, plps, packed)

@@ -209,8 +209,7 @@ def test_vllm_prompt_logprobs(model, deployment, gateway_url):
     assert all(len(e) == 1 for e in body["prompt_logprobs"][1:]) and "prompt_logprobs" not in body["choices"][0]
     for extra, param in (({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
                          ({"prompt_logprobs": 21}, "prompt_logprobs"),
-                         ({"echo": True, "logprobs": 2, "prompt_logprobs": -1}, "prompt_logprobs"),
-                         ({"echo": True, "logprobs": 1, "max_tokens": 0}, "max_tokens")):
+                         ({"echo": True, "logprobs": 2, "prompt_logprobs": -1}, "prompt_logprobs")):
         r = httpx.post(f"{gateway_url}/v1/completions", json={"model": model, "prompt": prompt, **extra}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
 
@@ -233,8 +232,7 @@ def test_prompt_logprobs_map_to_sampling_params():
     assert "prompt_logprobs" not in job.params
     [job] = asyncio.run(chat_jobs(ChatCompletionRequest(messages=QUESTION, max_tokens=3, prompt_logprobs=0), None))
     assert job.params["prompt_logprobs"] == 0
-    for body, param in ((CompletionRequest(prompt="x", echo=True, logprobs=1, max_tokens=0), "max_tokens"),
-                        (CompletionRequest(prompt="x", prompt_logprobs=1, stream=True), "prompt_logprobs"),
+    for body, param in ((CompletionRequest(prompt="x", prompt_logprobs=1, stream=True), "prompt_logprobs"),
                         (CompletionRequest(prompt="x", echo=True, logprobs=21), "logprobs"),
                         (CompletionRequest(prompt="x", stream_options={"include_usage": True}), "stream_options")):
         with pytest.raises(HTTPError) as e:
@@ -330,7 +328,7 @@ def test_prompt_parts_are_rendered_once_from_the_chunks_texts():
     choice's chunk (the only one that asked), with the texts that chunk carries (the first prompt token's too,
     which has no Logprob): the gateway has no tokenizer here and decodes nothing."""
     from mii_async.config import HttpConfig
-    from mii_async.gateway.openai_routes import _PromptParts
+    from mii_async.gateway.openai_logprobs import PromptParts as _PromptParts
     from mii_async.gateway.state import GatewayState
     from mii_async.gateway.streams import Job, Opened
     from mii_async.outputs import Logprob, StreamChunk, TokenTexts

@@ -46,7 +46,7 @@ def test_errors_in_openai_format(oai, model, gateway_url):
     r = httpx.post(f"{gateway_url}/v1/chat/completions", json={"model": model, "messages": QUESTION, "n": 99})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
     # OpenAI's fields we cannot honour are refused at any value but their neutral one, by name
-    for field, value in (("store", True), ("service_tier", "flex"), ("reasoning_effort", "high"),
+    for field, value in (("store", True), ("service_tier", "gold"), ("reasoning_effort", "extreme"),
                          ("modalities", ["text", "audio"])):
         r = httpx.post(f"{gateway_url}/v1/chat/completions",
                        json={"model": model, "messages": QUESTION, "max_tokens": 2, field: value})

@@ -58,7 +58,7 @@ class Sequence:
         self.history_free = (p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
                              and p.guide is None)     # a guide's next mask follows the last token
         self.plain = (p.greedy and p.logprobs is None and p.min_new_tokens == 0 and self.history_free
-                      and not p.logit_bias)
+                      and not p.logit_bias and p.allowed_token_ids is None)
         self.prompt_lps = [] if p.prompt_logprobs is not None else None
         if not self.max_tokens:
             self.max_tokens = len(self.prompt_ids) + p.max_new_tokens

@@ -1,9 +1,10 @@
 """Sampler: logits processing and token choice for one step's sampled rows.
 
-Order: a guided row's guide masks every token that would leave it → logprobs are taken here, of these raw
-logits (vLLM's default `raw_logprobs`, and the values prompt_logprobs give) → repetition penalty over prompt +
-output (HF) → presence/frequency penalties over the output (OpenAI) → logit_bias is added → min_new_tokens
-masks the end ids → temperature, top-k, top-p, min-p → choice. Greedy rows take the argmax of the processed
+Order: a guided row's guide masks every token that would leave it, and allowed_token_ids every token outside
+them → logprobs are taken here, of these raw logits (vLLM's default `raw_logprobs`, and the values
+prompt_logprobs give) → repetition penalty over prompt + output (HF) → presence/frequency penalties over the
+output (OpenAI) → logit_bias is added → min_new_tokens masks the end ids → temperature, top-k, top-p, min-p →
+choice. Greedy rows take the argmax of the processed
 logits. (A mask commutes with the penalties and the bias: −inf stays −inf.)
 
 Random choice is the exponential race (argmax p_i / E_i with E_i ~ Exp(1)), which equals sampling from p.
@@ -11,7 +12,6 @@ A request with a `seed` owns a torch.Generator, so its draws never depend on wha
 """
 from __future__ import annotations
 
-from operator import attrgetter
 from typing import NamedTuple
 
 import torch
@@ -22,7 +22,9 @@ from .guides import guide_masks
 from ..core.sequence import Sequence, Status
 
 
-_plain = attrgetter("plain")
+def _plain(s: Sequence) -> bool:
+    """Nothing but the argmax of the raw logits: a row restricted to allowed_token_ids needs its mask too."""
+    return s.plain and s.params.allowed_token_ids is None
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
@@ -118,6 +120,8 @@ class Sampler:
             idx = to_device(guided, logits.device)
             allowed = guide_masks([seqs[i].guide for i in guided], logits.shape[1], logits.device)
             logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+        if restricted := [i for i, s in enumerate(seqs) if s.params.allowed_token_ids is not None]:
+            self._allow_only(logits, [seqs[i].params.allowed_token_ids for i in restricted], restricted)
         want_lp = [s.params.logprobs for s in seqs]
         lp_rows = [i for i, n in enumerate(want_lp) if n is not None]
         # Raw logprobs, before the penalties write the logits (the row gather is a copy). A masked token's
@@ -151,6 +155,16 @@ class Sampler:
         k = max(want_lp[i] for i in lp_rows)
         top_v, top_i = torch.topk(logprobs, k, -1) if k else (logprobs[:, :0], logprobs[:, :0].long())
         return _staged(chosen, len(seqs), (lp_rows, [want_lp[i] for i in lp_rows], own, top_v, top_i, rank))
+
+    @staticmethod
+    def _allow_only(logits: torch.Tensor, allowed: list[tuple[int, ...]], rows: list[int]) -> None:
+        """Masks, in each of `rows`, every token outside its allowed ids (one flat fill for all the rows)."""
+        v = logits.shape[1]
+        keep = torch.zeros(len(rows), v, dtype=torch.bool, device=logits.device)    # [R, V]
+        flat = [j * v + t for j, ids in enumerate(allowed) for t in ids]
+        keep.view(-1).index_fill_(0, to_device(flat, logits.device), True)
+        idx = to_device(rows, logits.device)
+        logits[idx] = logits[idx].masked_fill(~keep, float("-inf"))
 
     @staticmethod
     def resolve(p: PendingSample) -> SampleResult:
