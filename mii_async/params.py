@@ -63,6 +63,8 @@ class SamplingParams:
     guided_choice: tuple[str, ...] | None = None  # the output is one of these strings
     allowed_token_ids: tuple[int, ...] | None = None  # only these ids may be sampled (vLLM's), masked before the
                                        # logprobs are taken as a guide's are; kept sorted, each once; None: any
+    priority: int = 0                  # the order among waiting requests (vLLM's): lower first, then arrival;
+                                       # a running request is never preempted for a waiting one
 
     def __post_init__(self) -> None:
         _int(self, "max_new_tokens", lo=1, hi=MAX_INT)
@@ -84,6 +86,7 @@ class SamplingParams:
         _float(self, "frequency_penalty", lo=-2.0, hi=2.0)
         if self.seed is not None:
             _int(self, "seed", lo=0, hi=2**63 - 1)
+        _int(self, "priority", lo=-MAX_INT - 1, hi=MAX_INT)
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
             raise InvalidParameterError("stop", "must be a string or a list of strings")

@@ -53,7 +53,7 @@ def _common(body: _Common) -> dict[str, Any]:
                          ("min_p", "min_p"), ("repetition_penalty", "repetition_penalty"),
                          ("min_new_tokens", "min_tokens"), ("ignore_eos", "ignore_eos"),
                          ("skip_special_tokens", "skip_special_tokens"),
-                         ("include_stop_str_in_output", "include_stop_str_in_output")):
+                         ("include_stop_str_in_output", "include_stop_str_in_output"), ("priority", "priority")):
         v = getattr(body, theirs)
         if v is not None:
             p[ours] = v

@@ -95,6 +95,7 @@ class _Common(Body):
     store: Optional[bool] = None              # false only: nothing is stored
     service_tier: Optional[str] = None        # one tier serves every request
     # vLLM-style extensions
+    priority: Optional[int] = None     # vLLM's: waiting requests run lower numbers first, then by arrival
     top_k: Optional[int] = None
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None

@@ -222,6 +222,20 @@ def test_labels_are_accepted_and_change_nothing(gateway_url):
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
 
+def test_priority_is_taken_on_both_routes_and_checked(gateway_url):
+    """vLLM's `priority` (an integer; the scheduler's order among waiting requests) is accepted on both routes
+    and leaves a lone request's answer as it was; a string or a float is a 400 naming it."""
+    body = {"messages": QUESTION, "max_tokens": 6, "temperature": 0}
+    plain = _post(gateway_url, "chat/completions", body).json()["choices"][0]["message"]["content"]
+    first = _post(gateway_url, "chat/completions", {**body, "priority": -3})
+    assert first.status_code == 200 and first.json()["choices"][0]["message"]["content"] == plain, first.text
+    r = _post(gateway_url, "completions", {"prompt": "Hi", "max_tokens": 2, "priority": 7})
+    assert r.status_code == 200, r.text
+    for bad in ("5", 1.5, True):
+        r = _post(gateway_url, "chat/completions", {**body, "priority": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "priority", (bad, r.text)
+
+
 def test_unknown_fields_refused_unless_lenient(gateway_url, start_gateway, capfd):
     """An unknown field is a 400 naming it; a gateway with lenient_requests takes the request, logging a
     warning once per field name."""

@@ -23,7 +23,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.bm = block_manager
-        self.waiting: deque[Sequence] = deque()   # FCFS; preempted sequences go back to the front
+        self.waiting: deque[Sequence] = deque()   # by priority, then arrival; preempted ones go back to the front
         self.running: list[Sequence] = []         # admission order: the last is the newest
         self.num_preemptions = 0
         # Blocks a new request's chunk leaves free when others run: the running decodes' next blocks, which
@@ -33,12 +33,14 @@ class Scheduler:
         self._cut: set[int] = set()               # id(seq) of the chunk the last plan cut (step_token_multiple)
 
     def add(self, seq: Sequence) -> None:
-        """Queues `seq` in arrival order: behind every waiting sequence that arrived before it. A request
-        that joins late (a guided one, once its automaton is compiled) goes ahead of those that arrived after
-        it; the others join at the back."""
+        """Queues `seq` by its priority (lower first), then in arrival order: behind every waiting sequence of
+        its priority that arrived before it, and of a lower priority number. A request that joins late (a
+        guided one, once its automaton is compiled) goes ahead of those of its priority that arrived after it;
+        the others join at the back of their priority."""
         waiting = self.waiting
+        key = (seq.params.priority, seq.arrival)
         i = len(waiting)
-        while i and waiting[i - 1].arrival > seq.arrival:
+        while i and (waiting[i - 1].params.priority, waiting[i - 1].arrival) > key:
             i -= 1
         waiting.insert(i, seq)
 
