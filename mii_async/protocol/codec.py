@@ -28,7 +28,7 @@ from ..packed import PromptLogprobs, as_prompt_logprobs, pack_ids, unpack
 if TYPE_CHECKING:
     from . import Message
 
-PROTOCOL_VERSION = 9                  # any change to a message's fields or to their wire form takes a new number:
+PROTOCOL_VERSION = 10                 # any change to a message's fields or to their wire form takes a new number:
                                       # decode refuses a frame of another version, naming both, so that peers
                                       # of different builds fail loudly instead of misreading each other
 MAX_FRAME_BYTES = 16 * 2**20          # also the sockets' ZMQ_MAXMSGSIZE
