@@ -108,7 +108,7 @@ def _serve(a: argparse.Namespace) -> int:
         http = HttpConfig(http_host=a.http_host, http_port=a.http_port, served_model_name=a.served_model_name,
                           api_key=a.api_key or os.environ.get(API_KEY_ENV) or None,
                           allowed_origins=a.allowed_origin or (), allowed_hosts=_hosts(a), **_limits(a),
-                          lenient_requests=a.lenient_requests)
+                          lenient_requests=a.lenient_requests, **_jobs_dir(a))
         if http.http_port:                          # fail before the model loads, not after
             from .gateway.main import bind
 
@@ -221,7 +221,7 @@ def _gateway_config(a: argparse.Namespace) -> str:
         os.environ[API_KEY_ENV] = a.api_key         # read by the gateway, kept off its config
     cfg = {"http_host": a.http_host, "http_port": a.http_port, "served_model_name": a.served_model_name,
            "allowed_origins": a.allowed_origin or [], "allowed_hosts": _hosts(a), **_limits(a),
-           "lenient_requests": a.lenient_requests}
+           "lenient_requests": a.lenient_requests, **_jobs_dir(a)}
     HttpConfig(**cfg)
     return json.dumps(cfg)
 
@@ -242,7 +242,13 @@ def _http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lenient-requests", action="store_true",
                    help="OpenAI routes: drop unknown request fields (a warning logged once per name) instead of "
                    "refusing them with a 400, as vLLM does")
+    p.add_argument("--jobs-dir", default=None, help="the Files and Batches API's store, one gateway's own "
+                   "(default: $MII_ASYNC_CACHE/jobs, else ~/.cache/mii_async/jobs; docs/jobs.md)")
     _limit_args(p)
+
+
+def _jobs_dir(a: argparse.Namespace) -> dict[str, Any]:
+    return {"jobs_dir": a.jobs_dir} if a.jobs_dir else {}
 
 
 _LIMIT_FLAGS = (("header_timeout_s", "--header-timeout", float, "seconds a request's headers may take to arrive "

@@ -274,6 +274,8 @@ class HttpConfig:
     ws_idle_timeout_s: float = 300.0   # a WebSocket without a client message or live request this long: 1001
     lenient_requests: bool = False     # OpenAI routes: an unknown request field is dropped, with a warning logged
                                        # once per name (vLLM's behaviour), instead of refused with a 400
+    # The Files and Batches API's store: SQLite and the files' bytes (docs/jobs.md); one gateway per directory.
+    jobs_dir: str = field(default_factory=lambda: os.path.join(default_cache_dir(), "jobs"))
 
     def __post_init__(self) -> None:
         if not isinstance(self.http_host, str) or not self.http_host:
@@ -311,6 +313,8 @@ class HttpConfig:
             _pos_int(self, name)
         if not isinstance(self.lenient_requests, bool):
             raise InvalidParameterError("lenient_requests", "must be true or false")
+        if not isinstance(self.jobs_dir, str) or not self.jobs_dir:
+            raise InvalidParameterError("jobs_dir", f"must be a directory path, got {self.jobs_dir!r}")
         for name in ("ws_ping_s", "header_timeout_s", "ws_idle_timeout_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):

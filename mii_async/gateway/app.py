@@ -44,20 +44,23 @@ def create_app(state: GatewayState) -> FastAPI:
     """The app; `state.start()` runs in its lifespan (the router must answer then)."""
     from contextlib import asynccontextmanager
 
-    from . import ops, openai_routes, responses_routes, rest, tokenize_routes, ui, ws
+    from . import batch_routes, ops, openai_routes, responses_routes, rest, tokenize_routes, ui, ws
     from .responses_store import MemoryResponseStore
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await state.start()
+        await app.state.jobs.start()          # resumes the batches left unfinished in jobs_dir
         yield
+        await app.state.jobs.close()
         state.close()
 
     app = FastAPI(title="mii_async gateway", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.gateway = state
     app.state.responses = MemoryResponseStore()       # the Responses API's stored responses (store: true)
+    app.state.jobs = batch_routes.Jobs(app)           # the Files and Batches API's store and runner (jobs_dir)
     for r in (ops.router, openai_routes.router, responses_routes.router, tokenize_routes.router, rest.router,
-              ws.router, ui.router):
+              ws.router, ui.router, batch_routes.router):
         app.include_router(r)
     app.mount("/static", ui.static_files(), name="static")
 
