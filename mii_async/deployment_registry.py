@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 from .config import default_cache_dir
 from .errors import InvalidParameterError
+from .user_state import private_dir, process_alive, process_start_time
 
 log = logging.getLogger("mii_async.deployment_registry")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -62,7 +63,7 @@ def live_entries() -> list[Entry]:
         entry = _read(os.path.join(root, fname))
         if entry is None:
             continue
-        if _alive(entry.pid, entry.pid_start):
+        if process_alive(entry.pid, entry.pid_start):
             out.append(entry)
         else:
             _remove(entry.path)
@@ -90,11 +91,11 @@ def register(*, name: str | None, address: str, pid: int, model: str | None, htt
     """Writes the entry of a ready deployment (mode 600, atomically) and returns it."""
     if name is not None:
         check_name_free(name)
-    root = _private_dir(registry_dir())
+    root = private_dir(registry_dir(), "cache_dir")
     path = os.path.join(root, f"{pid}.json")
-    data = {"name": name, "address": address, "pid": pid, "pid_start": _start_time(pid), "owner_pid": os.getpid(),
-            "model": model, "http_url": http_url, "curve_dir": curve_dir, "terminate_route": terminate_route,
-            "created": time.time()}
+    data = {"name": name, "address": address, "pid": pid, "pid_start": process_start_time(pid),
+            "owner_pid": os.getpid(), "model": model, "http_url": http_url, "curve_dir": curve_dir,
+            "terminate_route": terminate_route, "created": time.time()}
     tmp = f"{path}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -130,44 +131,6 @@ def _read(path: str) -> Entry | None:
     except (OSError, ValueError, KeyError, TypeError) as exc:      # torn or foreign: not an entry of ours
         log.warning("ignoring the unreadable deployment entry %s: %s", path, exc)
         return None
-
-
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat); None off Linux."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]      # fields after the command name, which may hold spaces
-
-
-def _alive(pid: int, start: str | None) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:          # another user's process has that pid now
-        return False
-    if start is not None and _start_time(pid) not in (start, None):
-        return False
-    try:
-        with open(f"/proc/{pid}/status") as f:      # exited, not yet reaped by its parent
-            if any(line.startswith("State:") and "Z" in line.split()[1] for line in f):
-                return False
-    except OSError:
-        pass
-    return True
-
-
-def _private_dir(path: str) -> str:
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.stat(path)
-    if st.st_uid != os.getuid():
-        raise InvalidParameterError("cache_dir", f"{path} belongs to another user (uid {st.st_uid})")
-    if st.st_mode & 0o077:
-        os.chmod(path, 0o700)
-    return path
 
 
 def _remove(path: str) -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from .errors import InvalidParameterError
+from .user_state import private_dir, process_alive
 
 log = logging.getLogger("mii_async.mesh_keys")
 ROLES = ("client", "operator", "worker")
@@ -56,23 +57,11 @@ def runtime_root() -> str:
     return root
 
 
-def _private_dir(path: str) -> str:
-    """Creates `path` (mode 700) or checks that an existing one is this user's and closed to others: keys in
-    a directory another user can write could be swapped for theirs."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.stat(path)
-    if st.st_uid != os.getuid():
-        raise InvalidParameterError("curve_dir", f"{path} belongs to another user (uid {st.st_uid})")
-    if st.st_mode & 0o077:
-        os.chmod(path, 0o700)
-    return path
-
-
 def ensure_keys(keys_dir: str) -> str:
     """Makes the pairs missing from `keys_dir` (never replacing one that is there) and returns its path."""
     import zmq.auth
 
-    _private_dir(keys_dir)
+    private_dir(keys_dir, "curve_dir")
     for name in PAIRS:
         public, secret = (os.path.join(keys_dir, name + ext) for ext in (".key", ".key_secret"))
         if os.path.exists(public) and os.path.exists(secret):
@@ -147,7 +136,7 @@ def roles_by_key(keys_dir: str) -> dict[bytes, str]:
 def deployment_keys_dir() -> str:
     """A fresh keys directory for a deployment started now, named for this process; directories of
     deployments whose process is gone are removed on the way."""
-    root = _private_dir(runtime_root())
+    root = private_dir(runtime_root(), "curve_dir")
     _clean_stale(root)
     path = os.path.join(root, f"deployment-{os.getpid()}")
     shutil.rmtree(path, ignore_errors=True)
@@ -156,7 +145,7 @@ def deployment_keys_dir() -> str:
 
 def publish(keys_dir: str, ports: list[int]) -> None:
     """Links `keys_dir` as the keys of the deployment listening on each of `ports`."""
-    by_port = _private_dir(os.path.join(_private_dir(runtime_root()), "by-port"))
+    by_port = private_dir(os.path.join(private_dir(runtime_root(), "curve_dir"), "by-port"), "curve_dir")
     for port in ports:
         link = os.path.join(by_port, str(port))
         tmp = f"{link}.{os.getpid()}"
@@ -214,7 +203,7 @@ def _clean_stale(root: str) -> None:
             pid = int(name.removeprefix("deployment-"))
         except ValueError:
             continue
-        if pid != os.getpid() and not _alive(pid):
+        if pid != os.getpid() and not process_alive(pid):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     by_port = os.path.join(root, "by-port")
     if os.path.isdir(by_port):
@@ -222,13 +211,3 @@ def _clean_stale(root: str) -> None:
             link = os.path.join(by_port, name)
             if os.path.islink(link) and not os.path.exists(link):
                 os.remove(link)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

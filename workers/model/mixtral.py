@@ -15,6 +15,7 @@ from mii_async.errors import UnsupportedModelError
 
 from .decoder import DecoderLayer, DecoderModel
 from .layers.attention import Attention
+from .layers.mlp import check_silu_mlp
 from .layers.moe import ExpertNames, MoE
 from .layers.norm import RMSNorm
 from .parallel import TPGroup
@@ -33,8 +34,7 @@ class MixtralModel(DecoderModel):
     @classmethod
     def check_config(cls, cfg: dict[str, Any]) -> None:
         # What the layers implement: SiLU-gated experts, a router over at least one of them.
-        if (act := cfg.get("hidden_act", "silu")) not in ("silu", "swish"):
-            raise UnsupportedModelError(f"hidden_act {act!r} is not supported: the experts are SiLU-gated (silu)")
+        check_silu_mlp(cfg, "the experts", biases=False)
         if not cfg.get("num_local_experts"):
             raise UnsupportedModelError("num_local_experts is missing from config.json: a Mixtral routes to its "
                                         "experts")

@@ -14,11 +14,9 @@ from typing import Any
 
 import torch
 
-from mii_async.errors import UnsupportedModelError
-
 from .decoder import DecoderLayer, DecoderModel
 from .layers.attention import Attention
-from .layers.mlp import GatedMLP
+from .layers.mlp import GatedMLP, check_silu_mlp
 from .layers.norm import RMSNorm
 from .parallel import TPGroup
 from .spec import ModelSpec
@@ -33,8 +31,7 @@ class Phi3Model(DecoderModel):
 
     @classmethod
     def check_config(cls, cfg: dict[str, Any]) -> None:
-        if (act := cfg.get("hidden_act", "silu")) not in ("silu", "swish"):
-            raise UnsupportedModelError(f"hidden_act {act!r} is not supported: the MLP is SiLU-gated (silu)")
+        check_silu_mlp(cfg, biases=False)
 
     @classmethod
     def load_layer(cls, w: Weights, spec: ModelSpec, index: int, cos_sin: torch.Tensor,

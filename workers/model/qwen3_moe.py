@@ -13,11 +13,9 @@ from typing import Any
 
 import torch
 
-from mii_async.errors import UnsupportedModelError
-
 from .decoder import DecoderLayer, DecoderModel
 from .layers.attention import Attention
-from .layers.mlp import GatedMLP
+from .layers.mlp import GatedMLP, check_silu_mlp
 from .layers.moe import ExpertNames, MoE
 from .layers.norm import RMSNorm
 from .parallel import TPGroup
@@ -37,11 +35,7 @@ class Qwen3MoeModel(DecoderModel):
 
     @classmethod
     def check_config(cls, cfg: dict[str, Any]) -> None:
-        # What the layers implement: SiLU-gated experts and dense MLPs, without biases.
-        if (act := cfg.get("hidden_act", "silu")) not in ("silu", "swish"):
-            raise UnsupportedModelError(f"hidden_act {act!r} is not supported: the experts are SiLU-gated (silu)")
-        if cfg.get("mlp_bias"):
-            raise UnsupportedModelError("mlp_bias=true is not supported: the MLP's projections have no biases here")
+        check_silu_mlp(cfg, "the experts")
 
     @classmethod
     def load_layer(cls, w: Weights, spec: ModelSpec, index: int, cos_sin: torch.Tensor,

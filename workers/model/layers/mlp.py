@@ -6,11 +6,13 @@ all-reduced. Under FP8 weights gate|up and down are FP8Weights, which the op set
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..fp8_loading import LinearWeight
+from mii_async.errors import UnsupportedModelError
+
 from ..parallel import TPGroup
 from ..weights import Weights
 from .norm import RMSNorm
@@ -19,6 +21,16 @@ if TYPE_CHECKING:
     from mii_async.kernels.op_set import OpSet
 
 ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def check_silu_mlp(cfg: dict[str, Any], what: str = "the MLP", biases: bool = True) -> None:
+    """Refuses, naming the field, a config whose MLP (or experts: `what`) is not what GatedMLP and the experts
+    compute — SiLU-gated, and (`biases`: where the config can say so) without biases: it would load and run,
+    wrongly."""
+    if (act := cfg.get("hidden_act", "silu")) not in ("silu", "swish"):
+        raise UnsupportedModelError(f"hidden_act {act!r} is not supported: {what} is SiLU-gated (silu)")
+    if biases and cfg.get("mlp_bias"):
+        raise UnsupportedModelError("mlp_bias=true is not supported: the MLP's projections have no biases here")
 
 
 @dataclass
