@@ -4,7 +4,7 @@ on the very same weights, in one run (the single-GPU figures of docs/benchmarks.
     python -m benchmarks.llama8b [--only parity,bs1,offline,mixed,profile] [--json results.json]
         [--mixed-budgets 1024,1536,2048] [--step-token-multiples 0,64,128] [--mma-warps 2,4]
         [--mixed-num-seqs 256,320] [--piecewise 1,0] [--decode-grids kv_heads,sequences] [--repeat 2]
-        [--gpu-memory-utilization 0.6]
+        [--gpu-memory-utilization 0.6] [--quantization fp8]
 
 parity   last-position prefill logits (4 prompts) and one decode step against transformers' forward; greedy
          agreement over 64 tokens for 32 prompts of 128 tokens
@@ -13,6 +13,9 @@ offline  1,024 requests of 128 in / 128 out, all at once: output tokens/s (HF: 2
 mixed    1,000 requests, inputs uniform in [64, 1024], outputs in [64, 512], all at once: tokens/s, TTFT, ITL
 profile  where the GPU time of a step goes (GEMMs, attention, norms, sampling, …) for decode and mixed steps,
          and, with graphs, a step's host parts beside its graph's GPU time
+
+--quantization fp8 quantizes the same bf16 weights at load (docs/quantization.md); transformers' baselines stay
+bf16, and the batch-1 floor is then the bytes our model holds (FP8 projections, bf16 embedding row and LM head).
 
 Floors: weight bytes / copy bandwidth per decode step; FLOPs / bf16 matmul rate; both measured on the card at
 hand before the engine is built (ceilings.py; the H200 of ../shared/device/README.md: 4.25 TB/s, 782 TFLOP/s).
@@ -73,6 +76,32 @@ def build(seed: int = 0, kernels: str = "auto", gpu_memory_utilization: float = 
 
 def weight_bytes(hf) -> int:
     return sum(p.numel() * p.element_size() for p in hf.parameters())
+
+
+def model_bytes(model) -> int:
+    """Bytes a decode step reads from our model: every tensor it holds (each storage once, walking its
+    attributes, lists and dicts), less the embedding table beyond the one row a token reads."""
+    seen: dict[int, int] = {}
+    stack, visited = [model], set()
+    while stack:
+        obj = stack.pop()
+        if id(obj) in visited:
+            continue
+        visited.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.is_cuda:
+                seen[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type) and type(obj).__module__.startswith("mii_async"):
+            stack.extend(vars(obj).values())
+        elif hasattr(obj, "__slots__"):
+            stack.extend(getattr(obj, n) for n in obj.__slots__ if hasattr(obj, n))
+    total = sum(seen.values())
+    embed = SHAPE["vocab_size"] * SHAPE["hidden_size"] * 2
+    return total - embed if not SHAPE["tie_word_embeddings"] else total
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -165,6 +194,9 @@ def bs1(hf, engine, new: int = 128) -> dict:
     gen(4)
     out["hf_ms_per_step"] = 1e3 * (gen(new + 1) - gen(1)) / new
     out["floor_ms_per_step"] = 1e3 * weight_bytes(hf) / BANDWIDTH
+    if engine.config.model.quantization:            # what our model reads: smaller than transformers' bf16
+        out["floor_ms_per_step"] = 1e3 * model_bytes(engine.model) / BANDWIDTH
+        out["floor_bytes"] = model_bytes(engine.model)
     return out
 
 
@@ -196,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.llama8b")
     ap.add_argument("--only", default="parity,bs1,offline,mixed,profile")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--quantization", default=None, help="fp8: the engine's projections in FP8, quantized at load")
     ap.add_argument("--kernels", default="auto", help="auto (the CuPy kernels) or reference (torch ops)")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="the scheduler's (default: the GPU default)")
     ap.add_argument("--max-batch-tokens", type=int, default=None, help="the token budget (default: the GPU default)")
@@ -246,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     card = ceilings.measure()
     BANDWIDTH, FLOPS = card["copy_tb_s"] * 1e12, card["matmul_tflop_s"] * 1e12
     print(f"this card: copy {card['copy_tb_s']:.2f} TB/s, bf16 matmul {card['matmul_tflop_s']:.0f} TFLOP/s", flush=True)
+    if a.quantization:
+        sched["quantization"] = a.quantization
     hf, engine = build(kernels=a.kernels, gpu_memory_utilization=a.gpu_memory_utilization, **sched)
     # One width or grid order asked: the engine's for every part, its decode graphs captured again with it.
     recapture(engine, variant_config(engine.model.ops.config, warps[0] if len(warps) == 1 else None,
@@ -253,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                      **card, "gpu_memory_utilization": a.gpu_memory_utilization,
                      "weights_gb": weight_bytes(hf) / 1e9, "kernels": engine.kernels,
+                     "quantization": a.quantization,
                      "graphs": bool(engine.runner.graphs), "num_blocks": engine.num_blocks,
                      "max_batch_tokens": engine.config.scheduler.max_batch_tokens,
                      "max_num_seqs": engine.config.scheduler.max_num_seqs,

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .fp8_weight import FP8Weight
+from .int_weight import Int4Weight, Int8Weight
 from .metadata import AttentionMetadata
 
 
@@ -38,10 +39,15 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | FP8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | FP8Weight | Int4Weight | Int8Weight,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] · weight [N, K]ᵀ (+ bias [N]) → [T, N]. An FP8 weight (fp8_weight.py) is dequantized to x's
     dtype first: every op that projects through `linear` takes one, and computes as the model would whose weights
-    are the dequantized ones (activations are not quantized here)."""
+    are the dequantized ones (activations are not quantized here). A CPU integer weight (int_weight.py) runs
+    through torch's weight-only GEMM for its layout."""
+    if isinstance(weight, (Int4Weight, Int8Weight)):
+        y = weight.linear(x)
+        return y + bias if bias is not None else y
     if isinstance(weight, FP8Weight):
         weight = weight.dequantize(x.dtype)
     return F.linear(x, weight, bias)

@@ -55,8 +55,9 @@ def serve(model: str | None = None, *, replicas: int = 1, tensor_parallel: int |
     gateway options api_key (default: $MII_ASYNC_API_KEY), served_model_name, allowed_hosts, allowed_origins,
     ws_max_message_bytes, ws_send_queue, ws_send_queue_bytes, ws_max_requests, ws_ping_s, max_body_bytes,
     header_timeout_s, max_header_bytes, max_connections, max_connections_per_ip, max_websockets,
-    max_websockets_per_ip, ws_idle_timeout_s, lenient_requests (docs/gateway.md "Limits"), jobs_dir (the
-    Batch API's store, docs/jobs.md);
+    max_websockets_per_ip, ws_idle_timeout_s, lenient_requests (docs/gateway.md "Limits"), and the Batch API's
+    jobs_dir (its store), jobs_max_file_bytes, jobs_max_lines, jobs_max_stored_bytes and jobs_retention_s (its
+    limits; docs/jobs.md), which the returned client's `jobs` also keeps;
     `enable_terminate=True` lets the gateway answer `GET /terminate` (off by default; the API key applies).
     `deployment_name` names the deployment on this host: `mii_async.client(name)` finds it from any process of
     this user, and the gateway answers `POST /mii/{name}`.

@@ -25,10 +25,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import os
 import threading
 import weakref
 from contextlib import aclosing
-from typing import Any, AsyncIterator, Callable, Coroutine, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Coroutine, Sequence, TypeVar
 
 import zmq.asyncio
 
@@ -47,6 +48,9 @@ from .text.prompts import check_token_ids, is_messages, is_token_ids
 from .text.render_options import RenderOptions
 from .transport import DealerSocket
 from .text.unicode_text import check_text
+
+if TYPE_CHECKING:
+    from .jobs.job_client import JobClient
 
 T = TypeVar("T")
 Prompt = Any   # str | list[int] (token ids) | list[dict] (chat messages)
@@ -78,6 +82,7 @@ class AsyncClient:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._sync_loop: asyncio.AbstractEventLoop | None = None
+        self._jobs: dict[str, JobClient] = {}     # jobs_dir → its JobClient (jobs/job_client.py)
         self._closed = False
 
     # -- streaming -----------------------------------------------------------------------------------
@@ -229,6 +234,8 @@ class AsyncClient:
         """Stops the deployment: live requests get up to `drain_s` to finish, then end with "abort"; every
         router and worker process exits. Returns once the router has exited when this client started it."""
         req_id = f"shutdown-{next(self._ids)}"
+        for jobs in list(self._jobs.values()):      # batch lines it runs stay pending, not answered by the drain
+            jobs.close()
         await within(self._ask(req_id, P.Shutdown(drain_s=float(drain_s), req_id=req_id)), self.timeout_s)
         if self._process is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._process.wait, drain_s + 60.0)
@@ -250,6 +257,32 @@ class AsyncClient:
             raise InvalidParameterError("client", "only the client that serve() returned knows the deployment's "
                                         "processes; another client can ask health()")
         return await asyncio.get_running_loop().run_in_executor(None, self._process.wait, timeout_s)
+
+    @property
+    def jobs(self) -> JobClient:
+        """The Batch API's store from Python without HTTP: submit, get, list, cancel, results, progress
+        (jobs/job_client.py, docs/jobs.md), in the jobs_dir of the gateway that serve(enable_http=True) started
+        with this client, else in HttpConfig's default. `job_client(jobs_dir)` for another directory."""
+        return self.job_client()
+
+    def job_client(self, jobs_dir: str | None = None) -> JobClient:
+        """The JobClient on `jobs_dir` (None: as `jobs` says), made at the first call; closed with this client.
+        On the directory of the gateway this client's serve() started, it keeps that gateway's job limits, model
+        name and leniency (its HttpConfig); elsewhere HttpConfig's defaults."""
+        from .jobs.job_client import JobClient, default_jobs_dir
+
+        served = self._gateway.http if self._gateway is not None else None
+        if jobs_dir is None:
+            jobs_dir = served.jobs_dir if served is not None else default_jobs_dir()
+        path = os.path.abspath(jobs_dir)
+        if served is not None and os.path.abspath(served.jobs_dir) != path:
+            served = None
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError("the client is closed")
+            if path not in self._jobs or self._jobs[path].closed:
+                self._jobs[path] = JobClient(self, path, http=served)
+            return self._jobs[path]
 
     @property
     def closed(self) -> bool:
@@ -331,6 +364,8 @@ class AsyncClient:
         aborted at the router; later calls raise EngineClosedError. The sockets, the ZeroMQ context and the sync
         facade's loop are released now, not when the client is collected. A deployment it started keeps running
         until `terminate_server()`, or until this process exits."""
+        for jobs in list(self._jobs.values()):      # first: its lines in flight are aborted, not failed
+            jobs.close()
         with self._lock:
             if self._closed:
                 return

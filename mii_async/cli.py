@@ -13,6 +13,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="HF directory, repo id in the local HF cache, or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--quantization", default=None, choices=["fp8", "int4"],
+                   help="as for serve (default: int4 on the CPU for a 4-bit GGUF when no --dtype is given)")
+    p.add_argument("--threads", type=int, default=None, help="CPU: torch threads (default: the CPUs it may use)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -43,7 +46,8 @@ def _generate(a: argparse.Namespace) -> int:
     import mii_async
 
     params = _params(a)
-    with mii_async.pipeline(a.model, dtype=a.dtype, device=a.device) as pipe:
+    with mii_async.pipeline(a.model, dtype=a.dtype, device=a.device, quantization=a.quantization,
+                            threads=a.threads) as pipe:
         prompt: Any = a.prompt if a.raw else [{"role": "user", "content": a.prompt}]
         asyncio.run(_print_stream(pipe, prompt, params))
     return 0
@@ -53,7 +57,8 @@ def _chat(a: argparse.Namespace) -> int:
     import mii_async
 
     params = _params(a)
-    with mii_async.pipeline(a.model, dtype=a.dtype, device=a.device) as pipe:
+    with mii_async.pipeline(a.model, dtype=a.dtype, device=a.device, quantization=a.quantization,
+                            threads=a.threads) as pipe:
         history: list[dict[str, str]] = []
         print("mii-async chat: type a message, an empty line or Ctrl-D to quit.")
         while True:
@@ -100,7 +105,7 @@ def _serve(a: argparse.Namespace) -> int:
         worker_port=a.worker_port, max_queued_requests=a.max_queued_requests, drain_timeout_s=a.drain_timeout,
         curve_dir=a.curve_dir, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
         quantization=a.quantization,
-        **{k: v for k in ("kv_cache_memory", "gpu_memory_utilization", "max_batch_tokens", "max_mixed_batch_tokens",
+        **{k: v for k in ("threads", "kv_cache_memory", "gpu_memory_utilization", "max_batch_tokens", "max_mixed_batch_tokens",
                           "max_num_seqs", "step_token_multiple") if (v := getattr(a, k)) is not None},
         **({"cuda_graphs": False} if a.enforce_eager else {})))
     http = None
@@ -108,7 +113,7 @@ def _serve(a: argparse.Namespace) -> int:
         http = HttpConfig(http_host=a.http_host, http_port=a.http_port, served_model_name=a.served_model_name,
                           api_key=a.api_key or os.environ.get(API_KEY_ENV) or None,
                           allowed_origins=a.allowed_origin or (), allowed_hosts=_hosts(a), **_limits(a),
-                          lenient_requests=a.lenient_requests, **_jobs_dir(a))
+                          lenient_requests=a.lenient_requests, **_jobs_options(a))
         if http.http_port:                          # fail before the model loads, not after
             from .gateway.main import bind
 
@@ -221,7 +226,7 @@ def _gateway_config(a: argparse.Namespace) -> str:
         os.environ[API_KEY_ENV] = a.api_key         # read by the gateway, kept off its config
     cfg = {"http_host": a.http_host, "http_port": a.http_port, "served_model_name": a.served_model_name,
            "allowed_origins": a.allowed_origin or [], "allowed_hosts": _hosts(a), **_limits(a),
-           "lenient_requests": a.lenient_requests, **_jobs_dir(a)}
+           "lenient_requests": a.lenient_requests, **_jobs_options(a)}
     HttpConfig(**cfg)
     return json.dumps(cfg)
 
@@ -244,11 +249,17 @@ def _http_args(p: argparse.ArgumentParser) -> None:
                    "refusing them with a 400, as vLLM does")
     p.add_argument("--jobs-dir", default=None, help="the Files and Batches API's store, one gateway's own "
                    "(default: $MII_ASYNC_CACHE/jobs, else ~/.cache/mii_async/jobs; docs/jobs.md)")
+    from .jobs.batch_cli import add_limit_args
+
+    add_limit_args(p)                               # --jobs-max-file-bytes, --jobs-max-lines, …
     _limit_args(p)
 
 
-def _jobs_dir(a: argparse.Namespace) -> dict[str, Any]:
-    return {"jobs_dir": a.jobs_dir} if a.jobs_dir else {}
+def _jobs_options(a: argparse.Namespace) -> dict[str, Any]:
+    """The Files and Batches API's HttpConfig fields that were given: jobs_dir and the job limits."""
+    from .jobs.batch_cli import limit_fields
+
+    return {**({"jobs_dir": a.jobs_dir} if a.jobs_dir else {}), **limit_fields(a)}
 
 
 _LIMIT_FLAGS = (("header_timeout_s", "--header-timeout", float, "seconds a request's headers may take to arrive "
@@ -315,9 +326,12 @@ def _serve_parser(sub: Any) -> None:
     s.add_argument("--dtype", default="auto")
     s.add_argument("--device", default="auto")
     s.add_argument("--max-model-len", type=int, default=None)
-    s.add_argument("--quantization", default=None, choices=["fp8"],
-                   help="fp8: linear weights in FP8 e4m3, quantized at load (an FP8 checkpoint loads as FP8 "
-                        "without it; docs/quantization.md)")
+    s.add_argument("--quantization", default=None, choices=["fp8", "int4"],
+                   help="fp8: linear weights in FP8 e4m3, quantized at load (GPU; an FP8 checkpoint loads as FP8 "
+                        "without it); int4: 4-bit weights, bf16 activations (CPU; the default for a 4-bit GGUF "
+                        "such as the default model's when no --dtype is given); docs/quantization.md")
+    s.add_argument("--threads", type=int, default=None,
+                   help="CPU: each worker's torch threads (default: the CPUs it may run on, shared among its ranks)")
     s.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for each replica's KV pool (CPU)")
     s.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="GPU: the share of the device a replica may use (default 0.9)")
@@ -370,6 +384,10 @@ def main(argv: list[str] | None = None) -> int:
     from .bench.serving import build_parser as bench_parser
 
     bench_parser(sub.add_parser("bench", help="a serving benchmark: latency, throughput, goodput, plots"))
+    from .jobs.batch_cli import build_parser as batch_parser
+
+    batch_parser(sub.add_parser("batch", help="the Batch API: submit a JSONL file of requests, follow it, fetch "
+                                "its results, cancel it (docs/jobs.md)"))
     k = sub.add_parser("keys", help="make the CURVE key pairs of a deployment whose clients or workers run as "
                        "other users or on other hosts")
     k.add_argument("dir")

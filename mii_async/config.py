@@ -15,7 +15,7 @@ from typing import Any
 from .errors import InvalidParameterError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("fp8",)
+QUANTIZATIONS = ("fp8", "int4")
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 
 
@@ -36,8 +36,10 @@ class ModelConfig:
     piecewise_graphs: bool = True      # with cuda_graphs: steps with prompt chunks replay their layers' dense
                                        # parts from graphs, attention eager between them
     quantization: str | None = None    # "fp8": the linear weights in FP8 e4m3, quantized at load per output
-                                       # channel (docs/quantization.md); None: as the checkpoint holds them (an
-                                       # FP8 checkpoint's quantization_config is followed either way)
+                                       # channel (GPU); "int4": 4-bit weights in groups of 32, the head in int8,
+                                       # activations in bf16 (CPU); docs/quantization.md. None: as the checkpoint
+                                       # holds them (an FP8 checkpoint's quantization_config is followed)
+    threads: int | None = None         # CPU: torch's intra-op threads; None: one per CPU this process may use
 
     def __post_init__(self) -> None:
         dt = _DTYPE_ALIASES.get(str(self.dtype), str(self.dtype))
@@ -56,6 +58,7 @@ class ModelConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise InvalidParameterError("quantization", f"must be one of {', '.join(QUANTIZATIONS)} or None, "
                                         f"got {self.quantization!r}")
+        _pos_int(self, "threads", optional=True)
 
 
 @dataclass(frozen=True)
@@ -166,6 +169,9 @@ class ServeConfig:
     worker_port: int = 0
     max_queued_requests: int = 1024    # admitted, unfinished requests; past this: "overloaded"
     max_queued_tokens: int = 1 << 21   # their prompt + max_new_tokens, summed; past this: "overloaded"
+    max_background_per_replica: int | None = None  # background requests (priority > 0, a batch's lines) in
+                                       # flight on one replica at most; the rest wait in the router for spare
+                                       # capacity; None: 2 on the CPU, a quarter of max_num_seqs on a GPU
     heartbeat_s: float = 1.0           # worker → router heartbeat period
     heartbeat_timeout_s: float = 15.0  # a replica silent this long is dead (process sentinels act at once)
     client_timeout_s: float = 30.0     # a client silent this long (no ping) with live requests: aborted
@@ -188,6 +194,7 @@ class ServeConfig:
                 raise InvalidParameterError(name, f"must be a host name or address, got {getattr(self, name)!r}")
         _pos_int(self, "max_queued_requests")
         _pos_int(self, "max_queued_tokens")
+        _pos_int(self, "max_background_per_replica", optional=True)
         for name in ("heartbeat_s", "heartbeat_timeout_s", "client_timeout_s", "drain_timeout_s",
                      "startup_timeout_s"):
             v = getattr(self, name)
@@ -276,6 +283,12 @@ class HttpConfig:
                                        # once per name (vLLM's behaviour), instead of refused with a 400
     # The Files and Batches API's store: SQLite and the files' bytes (docs/jobs.md); one gateway per directory.
     jobs_dir: str = field(default_factory=lambda: os.path.join(default_cache_dir(), "jobs"))
+    # Its bounds (jobs/limits.py JobLimits; None: the default there): an uploaded file's bytes, the request lines
+    # of one batch, the bytes of all its files together, and how long a file or an ended batch is kept (seconds).
+    jobs_max_file_bytes: int | None = None
+    jobs_max_lines: int | None = None
+    jobs_max_stored_bytes: int | None = None
+    jobs_retention_s: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.http_host, str) or not self.http_host:
@@ -315,6 +328,8 @@ class HttpConfig:
             raise InvalidParameterError("lenient_requests", "must be true or false")
         if not isinstance(self.jobs_dir, str) or not self.jobs_dir:
             raise InvalidParameterError("jobs_dir", f"must be a directory path, got {self.jobs_dir!r}")
+        for name in ("jobs_max_file_bytes", "jobs_max_lines", "jobs_max_stored_bytes", "jobs_retention_s"):
+            _pos_int(self, name, optional=True)
         for name in ("ws_ping_s", "header_timeout_s", "ws_idle_timeout_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):

@@ -80,6 +80,7 @@ class GatewayProcess:
         self.child, status = _start_with_status(argv, "gateway", 120.0, env=env)
         self.url: str = status["url"]
         self.pid = self.child.pid
+        self.http = http                    # its settings: client.jobs takes its jobs_dir and job limits
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self.child.stop(timeout_s)

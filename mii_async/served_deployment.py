@@ -68,7 +68,7 @@ class ServedDeployment:
 class _GatewayView:
     def __init__(self, owner: ServedDeployment, gateway: GatewayProcess) -> None:
         self._owner = owner
-        self.url, self.pid, self.child = gateway.url, gateway.pid, gateway.child
+        self.url, self.pid, self.child, self.http = gateway.url, gateway.pid, gateway.child, gateway.http
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._owner.stop_gateway(timeout_s)

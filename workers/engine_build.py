@@ -24,6 +24,8 @@ from mii_async.model_source import resolve_model
 
 from .core.block_manager import BlockManager
 from .core.scheduler import Scheduler
+from .cpu_plan import apply_threads, auto_quantization
+from .cpu_plan import describe as describe_cpu
 from .execute import kv_cache
 from .execute.memory_plan import MemoryPlan, plan_kv, profile_step, warn_limits
 from .execute.piecewise_graphs import MAX_TOKENS as PIECEWISE_MAX_TOKENS
@@ -74,7 +76,17 @@ def build(config: EngineConfig, model_path: Path | None = None, tp: TPGroup | No
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)   # the kernels launch on the current device of the thread that builds
                                         # and steps the engine
-    dtype = _DTYPES[mc.dtype if mc.dtype != "auto" else ("float32" if device.type == "cpu" else "bfloat16")]
+    quantization, why = mc.quantization, "as asked"
+    if device.type == "cpu":
+        quantization, why = auto_quantization(mc.model, model_path, mc.dtype, mc.quantization)
+        threads = apply_threads(mc.threads, tp.world if tp is not None else 1)
+    elif quantization == "int4":
+        raise InvalidParameterError("quantization", "int4 is the CPU's weight-only scheme; on a GPU use fp8")
+    # int4's GEMMs take bf16 activations on their fast path (kernels/int_weight.py): its default dtype
+    auto = "float32" if device.type == "cpu" and quantization != "int4" else "bfloat16"
+    dtype = _DTYPES[mc.dtype if mc.dtype != "auto" else auto]
+    if device.type == "cpu" and (tp is None or tp.rank == 0):
+        log.info("%s", describe_cpu(str(dtype).removeprefix("torch."), quantization, why, threads))
     limit = spec.max_position_embeddings      # a sliding window does not cap it: those layers attend within it
     max_model_len = min(mc.max_model_len or limit, limit)
     t0 = time.perf_counter()
@@ -85,7 +97,7 @@ def build(config: EngineConfig, model_path: Path | None = None, tp: TPGroup | No
         raise InvalidParameterError("kernels", str(exc)) from None
     reader = TensorReader(weights) if weights is not None else WeightReader(model_path)
     model = model_class(spec).load(spec, reader, dtype, device, max_model_len, get_ops(kernels, kernel_config), tp,
-                                   quant=load_quantization(model_path, mc.quantization))
+                                   quant=load_quantization(model_path, quantization))
     kv_spec = dataclasses.replace(spec, num_kv_heads=model.num_kv_heads)   # this rank's KV heads
     load_seconds = time.perf_counter() - t0
     cc = config.cache

@@ -33,6 +33,9 @@ def run(args: argparse.Namespace) -> int:
     if args.lifeline_fd is not None:               # the router's to handle, from the first moment (imports)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
+    from .cpu_plan import set_worker_wait_policy
+
+    set_worker_wait_policy()                       # before torch loads: libgomp reads it once
     from .worker import Worker, install_signal_handlers
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,

@@ -59,6 +59,7 @@ def create_app(state: GatewayState) -> FastAPI:
     app.state.gateway = state
     app.state.responses = MemoryResponseStore()       # the Responses API's stored responses (store: true)
     app.state.jobs = batch_routes.Jobs(app)           # the Files and Batches API's store and runner (jobs_dir)
+    state.metrics.jobs.source = app.state.jobs.counts  # its figures in /metrics, read at each scrape
     for r in (ops.router, openai_routes.router, responses_routes.router, tokenize_routes.router, rest.router,
               ws.router, ui.router, batch_routes.router):
         app.include_router(r)

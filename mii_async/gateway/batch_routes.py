@@ -3,7 +3,9 @@ POST/GET /v1/batches, GET /v1/batches/{id}, POST /v1/batches/{id}/cancel (docs/j
 
 The state lives in a JobStore under HttpConfig.jobs_dir, opened at the gateway's start when that directory holds
 one (its unfinished batches then resume at once), else at the first request of these routes — a gateway never
-asked for a batch leaves no files behind. Each batch line is answered by the gateway's own route for the batch's
+asked for a batch leaves no files behind. Other processes may use the same directory (a client's `jobs` API,
+`mii-async batch`, another gateway): the one holding the directory's lease runs every batch's lines, whichever
+process submitted it (jobs/batch_runner.py). Each batch line is answered by the gateway's own route for the batch's
 endpoint, called in process through the app (the same validation, router client, errors and answer as over
 HTTP), so a line's response body is exactly what `POST /v1/chat/completions` or `/v1/completions` would send.
 """
@@ -21,8 +23,11 @@ from pydantic import ValidationError
 from ..errors import InvalidParameterError, MIIAsyncError
 from ..jobs.batch_input import BodyCheck
 from ..jobs.batch_runner import BatchRunner
-from ..jobs.limits import COMPLETION_WINDOWS, JobLimits
+from ..jobs.expiry import Expiry, start_jobs, upload_expires_after
+from ..jobs.limits import (COMPLETION_WINDOWS, JobLimitError, JobLimits, check_file_size, check_line_count,
+                           check_room, request_line_count)
 from ..jobs.openai_objects import batch_object, file_object, page
+from ..jobs.stats import JobCounts, JobStats
 from ..jobs.store import TERMINAL, JobStore
 from ..jobs.upload import parse_upload
 from ..text.unicode_text import check_json_text
@@ -39,25 +44,35 @@ BATCH_PRIORITY = 1           # vLLM's priority (lower first) of a batch line who
 
 
 class Jobs:
-    """The gateway's store and runner, opened on first need; `close()` stops the runner (lines in flight stay
-    pending) and releases the directory."""
+    """The gateway's store, runner and expiry sweep, opened on first need; `close()` stops the sweep and the
+    runner (lines in flight stay pending) and releases the directory."""
 
     def __init__(self, app: FastAPI, limits: JobLimits | None = None) -> None:
-        self.app, self.limits = app, limits or JobLimits()
         self.config = app.state.gateway.config
+        self.app, self.limits = app, limits or JobLimits.from_config(self.config)
         self.store: JobStore | None = None
         self.runner: BatchRunner | None = None
+        self.expiry: Expiry | None = None
+        self.stats: JobStats | None = None
 
     def open(self) -> tuple[JobStore, BatchRunner]:
         if self.store is None:
             try:
-                store = JobStore(self.config.jobs_dir)
+                store = JobStore(self.config.jobs_dir, exclusive=False)
             except MIIAsyncError as exc:
                 raise from_exception(exc) from None
             self.store = store
             self.runner = BatchRunner(store, self._send, check_body(self.app), self.limits)
-            self.runner.start()
+            self.expiry = Expiry(store, self.runner, self.limits)
+            start_jobs(self.runner, self.expiry)
+            self.stats = JobStats(store, self.runner, self.expiry, self.limits)
         return self.store, self.runner
+
+    def counts(self) -> JobCounts | None:
+        """/metrics' figures: zeros while jobs_dir holds no store; None where it holds one not open here."""
+        if self.stats is not None:
+            return self.stats.read()
+        return None if JobStore.exists(self.config.jobs_dir) else JobCounts.empty(self.limits)
 
     async def start(self) -> None:
         """At the gateway's start: resumes the batches of a directory that holds a store."""
@@ -68,20 +83,27 @@ class Jobs:
                 log.error("the Files and Batches API is unavailable: %s", exc.message)
 
     async def close(self) -> None:
+        if self.expiry is not None:
+            await self.expiry.close()
         if self.runner is not None:
             await self.runner.close()
         if self.store is not None:
             self.store.close()
 
     async def _send(self, url: str, body: dict) -> tuple[int, Any]:
-        if "priority" not in body:            # behind interactive requests (priority 0) in a replica's queue
-            body = {**body, "priority": BATCH_PRIORITY}
-        status, raw = await call_app(self.app, url, body, self.config.api_key)
-        try:
-            return status, json.loads(raw)
-        except ValueError:
-            return status, {"error": {"message": raw.decode("utf-8", "replace"), "type": "internal_error",
-                                      "param": None, "code": "internal_error"}}
+        return await send_line(self.app, url, body)
+
+
+async def send_line(app: FastAPI, url: str, body: dict) -> tuple[int, Any]:
+    """One batch line through the app's route for `url`, in this process: the HTTP status and the JSON body."""
+    if "priority" not in body:                # behind interactive requests (priority 0) in a replica's queue
+        body = {**body, "priority": BATCH_PRIORITY}
+    status, raw = await call_app(app, url, body, app.state.gateway.config.api_key)
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, {"error": {"message": raw.decode("utf-8", "replace"), "type": "internal_error",
+                                  "param": None, "code": "internal_error"}}
 
 
 async def call_app(app: FastAPI, path: str, body: dict, api_key: str | None) -> tuple[int, bytes]:
@@ -166,8 +188,17 @@ def _jobs(request: Request) -> tuple[JobStore, BatchRunner]:
     return request.app.state.jobs.open()
 
 
+def _file(request: Request, row: dict) -> dict[str, Any]:
+    """The File object of a store row, with the time the expiry sweep deletes it."""
+    return file_object(row, request.app.state.jobs.expiry.file_expires_at(row))
+
+
 def _not_found(what: str, id_: str, param: str) -> HTTPError:
     return HTTPError(404, f"No such {what}: '{id_}'", "invalid_request_error", param, "not_found")
+
+
+def _refused(exc: JobLimitError) -> HTTPError:
+    return HTTPError(exc.status, str(exc), "invalid_request_error", exc.param, exc.code)
 
 
 def _limit(limit: int, most: int) -> int:
@@ -180,18 +211,25 @@ def _limit(limit: int, most: int) -> int:
 async def upload_file(request: Request) -> JSONResponse:
     store, _ = _jobs(request)
     limits: JobLimits = request.app.state.jobs.limits
+    raw = await request.body()
     try:
-        upload = parse_upload(request.headers.get("content-type", ""), await request.body())
+        upload = parse_upload(request.headers.get("content-type", ""), raw)
     except InvalidParameterError as exc:
         raise from_exception(exc) from None
     if upload.purpose != "batch":
         raise bad_request("purpose", f"purpose must be 'batch' (the one use of files here), got {upload.purpose!r}")
-    if len(upload.data) > limits.max_file_bytes:
-        raise HTTPError(413, f"the file has {len(upload.data)} bytes; max_file_bytes is {limits.max_file_bytes}",
-                        "invalid_request_error", "file", "file_too_large")
     if not upload.data.strip():
         raise bad_request("file", "the file is empty")
-    return JSONResponse(file_object(store.add_file(upload.filename, upload.purpose, upload.data)))
+    try:
+        check_file_size(limits, len(upload.data))
+        expires_after = upload_expires_after(request.headers.get("content-type", ""), raw)
+        check_room(limits, store.stored_bytes(), len(upload.data))   # no await from here to the write
+    except JobLimitError as exc:
+        raise _refused(exc) from None
+    except InvalidParameterError as exc:
+        raise from_exception(exc) from None
+    row = store.add_file(upload.filename, upload.purpose, upload.data, expires_after)
+    return JSONResponse(_file(request, row))
 
 
 @router.get("/v1/files")
@@ -205,7 +243,7 @@ async def list_files(request: Request, purpose: str | None = None, after: str | 
             raise bad_request("after", f"no file {after!r}")
         rows = rows[ids.index(after) + 1:]
     n = _limit(limit, 10_000)
-    return JSONResponse(page([file_object(r) for r in rows[:n]], len(rows) > n))
+    return JSONResponse(page([_file(request, r) for r in rows[:n]], len(rows) > n))
 
 
 @router.get("/v1/files/{file_id}")
@@ -214,7 +252,7 @@ async def get_file(file_id: str, request: Request) -> JSONResponse:
     row = store.get_file(file_id)
     if row is None:
         raise _not_found("file", file_id, "file_id")
-    return JSONResponse(file_object(row))
+    return JSONResponse(_file(request, row))
 
 
 @router.get("/v1/files/{file_id}/content")
@@ -260,21 +298,34 @@ async def create_batch(request: Request) -> JSONResponse:
         raise bad_request("completion_window", f"completion_window must be one of {sorted(COMPLETION_WINDOWS)}, "
                           f"got {window!r}")
     metadata = body.get("metadata")
-    _check_metadata(metadata)
+    try:
+        check_metadata(metadata)
+    except InvalidParameterError as exc:
+        raise from_exception(exc) from None
+    loop = asyncio.get_running_loop()
+    try:
+        data = await loop.run_in_executor(None, store.read_file, file_id)
+        check_line_count(request.app.state.jobs.limits, await loop.run_in_executor(None, request_line_count, data))
+    except FileNotFoundError:                  # deleted meanwhile
+        raise _not_found("file", file_id, "input_file_id") from None
+    except JobLimitError as exc:
+        raise _refused(exc) from None
     row = store.add_batch(file_id, endpoint, window, metadata, COMPLETION_WINDOWS[window])
     runner.submit(row["id"])
     return JSONResponse(batch_object(row))
 
 
-def _check_metadata(metadata: Any) -> None:
+def check_metadata(metadata: Any) -> None:
+    """A batch's metadata within OpenAI's bounds; InvalidParameterError naming the key otherwise."""
     if metadata is None:
         return
     if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_PAIRS:
-        raise bad_request("metadata", f"metadata must be an object of at most {MAX_METADATA_PAIRS} string pairs")
+        raise InvalidParameterError("metadata", f"must be an object of at most {MAX_METADATA_PAIRS} string pairs")
     for k, v in metadata.items():
-        if len(k) > MAX_METADATA_KEY or not isinstance(v, str) or len(v) > MAX_METADATA_VALUE:
-            raise bad_request(f"metadata.{k}", f"metadata keys are strings of at most {MAX_METADATA_KEY} "
-                              f"characters and values strings of at most {MAX_METADATA_VALUE}")
+        if not isinstance(k, str) or len(k) > MAX_METADATA_KEY or not isinstance(v, str) or \
+                len(v) > MAX_METADATA_VALUE:
+            raise InvalidParameterError(f"metadata.{k}", f"keys are strings of at most {MAX_METADATA_KEY} "
+                                        f"characters and values strings of at most {MAX_METADATA_VALUE}")
 
 
 @router.get("/v1/batches")

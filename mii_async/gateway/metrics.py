@@ -20,6 +20,14 @@ blocks, replicas) are read from the router when /metrics is scraped.
 The last four are each ready replica's own counters as of the scrape (a restarted replica starts again at 0,
 which Prometheus' rate() reads as a counter reset).
 
+The Files and Batches API's, read from its store at each scrape (jobs/stats.py):
+    mii_async_batches{status}                       batches stored, by OpenAI's status
+    mii_async_batch_lines{state}                    queued | running | completed | failed
+    mii_async_batch_lines_finished_total{outcome}   completed | failed: rate() is the batch line throughput
+    mii_async_jobs_stored_bytes · mii_async_jobs_files · mii_async_jobs_max_stored_bytes
+zeros where jobs_dir holds no store yet (the scrape creates none); absent where it holds one this gateway could
+not open.
+
 A replica busy in a long engine step may miss the router's stats deadline: its figures are then unknown, so
 its samples are absent and its stats_up is 0 — never zeros, which would read as an exhausted KV pool; the
 totals are absent too, since a partial sum would read as a smaller pool.
@@ -27,13 +35,16 @@ totals are absent too, since a partial sum would read as a smaller pool.
 from __future__ import annotations
 
 import time
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..errors import error_code
 from ..outputs import StreamChunk
+
+if TYPE_CHECKING:
+    from ..jobs.stats import JobCounts
 
 disable_created_metrics()          # no *_created series: they double the scrape and nobody graphs them
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
@@ -95,6 +106,38 @@ class _DeploymentStats:
             yield fam
 
 
+class _JobMetrics:
+    """The Files and Batches API's figures, from `source` at each scrape (None, or a source that gives None:
+    the families are present without samples)."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], JobCounts | None] | None = None
+
+    def collect(self):
+        counts = self.source() if self.source is not None else None
+        batches = GaugeMetricFamily("mii_async_batches", "Batches stored, by status", labels=["status"])
+        lines = GaugeMetricFamily("mii_async_batch_lines", "Lines of the stored batches: queued, running (in "
+                                  "flight here), completed (2xx), failed", labels=["state"])
+        finished = CounterMetricFamily("mii_async_batch_lines_finished", "Batch lines answered since the gateway "
+                                       "started, by outcome (completed: 2xx)", labels=["outcome"])
+        stored = GaugeMetricFamily("mii_async_jobs_stored_bytes", "Bytes of every stored file (uploads and "
+                                   "batch results)")
+        files = GaugeMetricFamily("mii_async_jobs_files", "Files stored")
+        limit = GaugeMetricFamily("mii_async_jobs_max_stored_bytes", "The bound on stored bytes (an upload past "
+                                  "it is refused)")
+        if counts is not None:
+            for status, n in counts.batches.items():
+                batches.add_metric([status], n)
+            for state, n in counts.lines.items():
+                lines.add_metric([state], n)
+            for outcome, n in counts.finished.items():
+                finished.add_metric([outcome], n)
+            stored.add_metric([], counts.stored_bytes)
+            files.add_metric([], counts.files)
+            limit.add_metric([], counts.max_stored_bytes)
+        yield from (batches, lines, finished, stored, files, limit)
+
+
 def _replica_order(replica: str) -> tuple[int, str]:
     return (int(replica), "") if replica.isdigit() else (1 << 30, replica)
 
@@ -104,6 +147,8 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.deployment = _DeploymentStats()
         r.register(self.deployment)
+        self.jobs = _JobMetrics()             # its source is set where the jobs store is (gateway/app.py)
+        r.register(self.jobs)
         self.requests = Counter("mii_async_requests", "Finished or refused requests", ["api", "status"], registry=r)
         self.prompt_tokens = Counter("mii_async_prompt_tokens", "Prompt tokens of finished requests", ["api"],
                                      registry=r)

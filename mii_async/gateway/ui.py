@@ -1,6 +1,7 @@
 """The chat page: static HTML, CSS and JS shipped in the package (no build step, nothing from a CDN), served at
-`/` and `/static/…`. It streams over /v1/ws; see static/chat.js (and static/settings.js). The page links
-everything relative to its own path, so a proxy may serve the gateway under a prefix (`/mii/`)."""
+`/` and `/static/…`. It streams over /v1/ws; see static/chat.js (and static/settings.js). Its Jobs panel
+(static/jobs.js) runs JSONL files as batches through the Files and Batches API. The page links everything
+relative to its own path, so a proxy may serve the gateway under a prefix (`/mii/`)."""
 from __future__ import annotations
 
 from pathlib import Path

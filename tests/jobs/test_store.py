@@ -108,3 +108,38 @@ def test_a_lone_surrogate_fails_its_line():
     bad = '{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "\\ud800"}}'
     [err] = parse_batch_input(bad.encode(), URL, _no_refusal, 4)[1]
     assert err["line"] == 1 and "prompt" in err["param"], err
+
+
+def test_a_store_made_without_the_later_columns_gets_them(tmp_path):
+    """A database lacking lines.done_seq, batches.expired_at and the file_expiry table (an earlier version's)
+    opens with them added, its rows kept: results() gives its finished lines, a batch shows no expired_at, and
+    an upload's own expiry is kept."""
+    with sqlite3.connect(tmp_path / "jobs.sqlite3") as db:
+        db.executescript("""
+            CREATE TABLE files (id TEXT PRIMARY KEY, filename TEXT NOT NULL, purpose TEXT NOT NULL,
+                                bytes INTEGER NOT NULL, created_at INTEGER NOT NULL);
+            CREATE TABLE batches (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL,
+                input_file_id TEXT NOT NULL, endpoint TEXT NOT NULL, completion_window TEXT NOT NULL, metadata TEXT,
+                status TEXT NOT NULL, errors TEXT, created_at INTEGER NOT NULL, in_progress_at INTEGER,
+                finalizing_at INTEGER, completed_at INTEGER, failed_at INTEGER, cancelling_at INTEGER,
+                cancelled_at INTEGER, expires_at INTEGER NOT NULL, output_file_id TEXT, error_file_id TEXT,
+                total INTEGER NOT NULL DEFAULT 0, completed INTEGER NOT NULL DEFAULT 0,
+                failed INTEGER NOT NULL DEFAULT 0);
+            CREATE TABLE lines (batch_id TEXT NOT NULL, idx INTEGER NOT NULL, custom_id TEXT NOT NULL,
+                url TEXT NOT NULL, body TEXT NOT NULL, result TEXT, ok INTEGER, PRIMARY KEY (batch_id, idx))
+                WITHOUT ROWID;
+            INSERT INTO batches (id, input_file_id, endpoint, completion_window, status, created_at, expires_at,
+                                 total, completed) VALUES ('batch_old', 'file-x', '/v1/completions', '24h',
+                                 'in_progress', 1, 86401, 2, 1);
+            INSERT INTO lines VALUES ('batch_old', 0, 'a', '/v1/completions', '{}', '{"custom_id": "a"}', 1);
+            INSERT INTO lines VALUES ('batch_old', 1, 'b', '/v1/completions', '{}', NULL, NULL);
+        """)
+    s = JobStore(str(tmp_path))
+    assert s.get_batch("batch_old")["expired_at"] is None
+    assert s.results_since("batch_old", -1) == [(0, {"custom_id": "a"})]
+    s.finish_line("batch_old", 1, {"custom_id": "b"}, ok=True)
+    assert s.results_since("batch_old", 0) == [(1, {"custom_id": "b"})]
+    f = s.add_file("in.jsonl", "batch", b"x\n", expires_after_s=3600)
+    assert f["expires_at"] == f["created_at"] + 3600 and s.get_file(f["id"])["expires_at"] == f["expires_at"]
+    assert s.delete_file(f["id"]) and s.get_file(f["id"]) is None
+    s.close()

@@ -13,7 +13,9 @@ Which linears are FP8 is read from the tensors themselves (an ignored module is 
 Anything else under `quantization_config` (GPTQ, AWQ, bitsandbytes, integer formats, an FP8 KV cache scheme) is
 refused naming the field: its weights would otherwise load without their scales and answer wrong tokens.
 
-`quantization="fp8"` on a checkpoint in bf16/fp16/fp32 quantizes the linear weights at load, per output channel.
+`quantization="fp8"` on a checkpoint in bf16/fp16/fp32 quantizes the linear weights at load, per output channel;
+`quantization="int4"` (the CPU's) quantizes them to 4 bits in groups of 32 columns and the output head to int8
+rows (kernels/int_weight.py).
 """
 from __future__ import annotations
 
@@ -30,9 +32,10 @@ FIELD = "quantization_config"
 
 @dataclass(frozen=True)
 class WeightQuant:
-    method: str                     # "fp8" (quantized at load), "compressed-tensors" or "fp8-block" (transformers')
+    method: str                     # "fp8" or "int4" (quantized at load), "compressed-tensors" or "fp8-block"
+                                    # (transformers')
     scales: str                     # "channel": [N] a weight; "tensor": one a weight (kept per channel once
-                                    # loaded); "block": one per [BLOCK, BLOCK] tile
+                                    # loaded); "block": one per [BLOCK, BLOCK] tile; "group": int4's groups
     scale_suffix: str = ""          # `<linear>.<suffix>` holds a checkpoint weight's scales; "" when quantized at load
     static_activations: bool = False    # the checkpoint holds `<linear>.input_scale`: activations quantized with
                                         # it rather than per token
@@ -40,10 +43,15 @@ class WeightQuant:
     @property
     def at_load(self) -> bool:
         """The checkpoint is in a float dtype and the linears are quantized as they load."""
-        return self.method == "fp8"
+        return self.method in ("fp8", "int4")
+
+    @property
+    def integer(self) -> bool:
+        """The CPU's weight-only integer scheme (int4 projections, int8 head)."""
+        return self.method == "int4"
 
 
-AT_LOAD = WeightQuant("fp8", "channel")
+AT_LOAD = {"fp8": WeightQuant("fp8", "channel"), "int4": WeightQuant("int4", "group")}
 
 
 def weight_quantization(cfg: dict[str, Any], requested: str | None) -> WeightQuant | None:
@@ -55,8 +63,11 @@ def weight_quantization(cfg: dict[str, Any], requested: str | None) -> WeightQua
                                     f"got {requested!r}")
     held = checkpoint_quantization(cfg)
     if held is not None:
+        if requested == "int4":
+            raise InvalidParameterError("quantization", f"int4 quantizes float weights at load; this checkpoint is "
+                                        f"already quantized ({held.method})")
         return held
-    return AT_LOAD if requested == "fp8" else None
+    return AT_LOAD[requested] if requested is not None else None
 
 
 def checkpoint_quantization(cfg: dict[str, Any]) -> WeightQuant | None:

@@ -1,7 +1,7 @@
 """Weights: one rank's view of a checkpoint while a model loads: tensors on the device in the model's dtype,
 whole, or the rows or columns that this tensor-parallel rank holds, read alone from the source; and the linear
 projections, which under a WeightQuant (workers/model/quantization.py) load as FP8 with their scales sliced
-alike (fp8_loading.py)."""
+alike (quantized_loading.py)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -11,7 +11,7 @@ import torch
 
 from mii_async.kernels.fp8_weight import E4M3
 
-from .fp8_loading import LinearWeight, Part, dequantized, read_linear
+from .quantized_loading import LinearWeight, Part, dequantized, read_linear
 from .quantization import WeightQuant
 from .shard_plan import ShardPlan
 

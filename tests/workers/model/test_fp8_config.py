@@ -107,14 +107,15 @@ def test_quantization_option(tmp_path):
     q = load_quantization(tmp_path, "fp8")
     assert q.at_load and q.scales == "channel"
     with pytest.raises(InvalidParameterError, match="quantization"):
-        EngineConfig.from_kwargs(str(tmp_path), quantization="int4")
+        EngineConfig.from_kwargs(str(tmp_path), quantization="int8")
+    assert load_quantization(tmp_path, "int4").integer
     assert EngineConfig.from_kwargs(str(tmp_path), quantization="fp8").model.quantization == "fp8"
     cfg = EngineConfig.from_kwargs(str(tmp_path), quantization="fp8")
     assert EngineConfig.from_dict(cfg.to_dict()).model.quantization == "fp8"   # the router → worker wire
 
 
 def test_cli_serve_takes_quantization():
-    """`mii-async serve --quantization fp8` parses; another value is refused by argparse."""
+    """`mii-async serve --quantization fp8` (and int4) parses; another value is refused by argparse."""
     import argparse
 
     from mii_async.cli import _serve_parser
@@ -124,4 +125,4 @@ def test_cli_serve_takes_quantization():
     assert parser.parse_args(["serve", "--quantization", "fp8"]).quantization == "fp8"
     assert parser.parse_args(["serve"]).quantization is None
     with pytest.raises(SystemExit):
-        parser.parse_args(["serve", "--quantization", "int4"])
+        parser.parse_args(["serve", "--quantization", "int8"])

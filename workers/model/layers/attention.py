@@ -26,7 +26,7 @@ import torch
 
 from mii_async.kernels.metadata import AttentionMetadata
 
-from ..fp8_loading import LinearWeight, map_rows
+from ..quantized_loading import LinearWeight, map_rows
 from ..parallel import TPGroup
 from ..spec import ModelSpec
 from ..weights import Weights

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mii_async.kernels.int_weight import Int8Weight, quantize_int8
+
 from ..parallel import TPGroup
 from ..spec import ModelSpec
 from ..weights import Weights
@@ -54,8 +56,9 @@ class Embedding:
 @dataclass
 class LMHead:
     norm: RMSNorm                   # the final norm: the head's prologue
-    weight: torch.Tensor            # [V, H] (the embedding's when tied), or this rank's [ceil(V/T), H], the
-                                    # last rank's padded with zero rows so that every rank's logits are as wide
+    weight: torch.Tensor | Int8Weight   # [V, H] (the embedding's when tied), or this rank's [ceil(V/T), H], the
+                                        # last rank's padded with zero rows so that every rank's logits are as
+                                        # wide; int8 rows under quantization="int4"
     vocab_size: int                 # V: the gathered logits' padding is cut off at it
     tp: TPGroup | None
     softcap: float | None = None    # logits → softcap·tanh(logit / softcap), in fp32 (Gemma 2)
@@ -72,6 +75,8 @@ class LMHead:
         shard = w.shard
         if shard is not None and weight.shape[0] < shard.vocab_per_rank:
             weight = torch.cat([weight, weight.new_zeros(shard.vocab_per_rank - weight.shape[0], weight.shape[1])])
+        if w.quant is not None and w.quant.integer:     # the CPU's int4 scheme reads the head as int8 rows
+            weight = quantize_int8(weight, w.dtype)
         return cls(norm, weight, spec.vocab_size, tp, spec.final_logit_softcap)
 
     def __call__(self, ops: OpSet, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

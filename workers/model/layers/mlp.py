@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..fp8_loading import LinearWeight
+from ..quantized_loading import LinearWeight
 from mii_async.errors import UnsupportedModelError
 
 from ..parallel import TPGroup

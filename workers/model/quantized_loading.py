@@ -1,7 +1,8 @@
-"""Reading a linear weight as FP8 (kernels/fp8_weight.py's FP8Weight): from an FP8 checkpoint, the e4m3 rows or
-columns this rank holds with their scales sliced alike; from a float checkpoint under `quantization="fp8"`,
-each part quantized per output channel on the device it loads to as it is read (never the whole model in the
-model dtype first).
+"""Reading a linear weight under a quantization scheme. FP8 (kernels/fp8_weight.py's FP8Weight): from an FP8
+checkpoint, the e4m3 rows or columns this rank holds with their scales sliced alike; from a float checkpoint
+under `quantization="fp8"`, each part quantized per output channel on the device it loads to as it is read
+(never the whole model in the model dtype first). int4 (kernels/int_weight.py, the CPU's): a projection's parts
+read in the model dtype, concatenated and quantized in groups of 32 columns.
 
 A checkpoint's scales sit beside the weight as `<linear>.<suffix>` (WeightQuant.scale_suffix) in one of three
 shapes: per output channel [N, 1] or [N], per tensor [1] or [] (repeated per channel: a fused projection's
@@ -19,11 +20,12 @@ import torch
 from mii_async.errors import InvalidParameterError, UnsupportedModelError
 from mii_async.kernels.fp8_weight import (BLOCK_K, E4M3, FP8Weight, block_rows, cat_rows, quantize_weight,
                                           weight_scales)
+from mii_async.kernels.int_weight import GROUP, Int4Weight, quantize_int4
 
 if TYPE_CHECKING:
     from .weights import Weights
 
-LinearWeight = Union[torch.Tensor, FP8Weight]        # [N, K] in the model dtype, or FP8 with its scales
+LinearWeight = Union[torch.Tensor, FP8Weight, Int4Weight]   # [N, K] in the model dtype, FP8 or int4 with scales
 Part = tuple[str, Union[tuple[int, int], None], int]  # a checkpoint tensor, its span (None: whole), rows a unit
 SCALE_SLAB = 4096                                     # rows read at once to find a row-parallel weight's scales
 
@@ -32,6 +34,8 @@ def read_linear(w: Weights, parts: Sequence[Part], dim: int = 0) -> LinearWeight
     """The rows (dim 0) or columns (dim 1) of each part, rows concatenated: one projection in FP8 under
     w.quant (checkpoint tensors stored in a float dtype stay in the model dtype: an ignored module)."""
     assert w.quant is not None, "read_linear is the quantized path"
+    if w.quant.integer:
+        return _read_int4(w, parts, dim)
     fp8: list[FP8Weight] = []
     dense: list[torch.Tensor] = []
     for name, span, unit in parts:
@@ -50,8 +54,28 @@ def read_linear(w: Weights, parts: Sequence[Part], dim: int = 0) -> LinearWeight
 
 
 def map_rows(weight: LinearWeight, fn: Callable[[torch.Tensor], torch.Tensor]) -> LinearWeight:
-    """`fn` (a reordering of dim 0) applied to a projection's rows, and to their scales when it is FP8."""
-    return weight.map_rows(fn) if isinstance(weight, FP8Weight) else fn(weight)
+    """`fn` (a reordering of dim 0) applied to a projection's rows, and to their scales when it is quantized."""
+    return weight.map_rows(fn) if isinstance(weight, (FP8Weight, Int4Weight)) else fn(weight)
+
+
+def _read_int4(w: Weights, parts: Sequence[Part], dim: int) -> Int4Weight:
+    """The parts read in the model dtype, rows concatenated, quantized to int4 (groups of GROUP columns run
+    along a row, so a row-parallel rank's columns must start and end on a group's edge)."""
+    dense = []
+    for name, span, unit in parts:
+        bounds = None if span is None else (span[0] * unit, span[1] * unit)
+        if dim == 1 and bounds is not None and (bounds[0] % GROUP or bounds[1] % GROUP):
+            raise InvalidParameterError("tensor_parallel", f"it splits {name}'s columns at {list(bounds)}, inside a "
+                                        f"{GROUP}-column group of its int4 weights")
+        raw = _read(w, name, dim, bounds)
+        if raw.dtype == E4M3:
+            raise UnsupportedModelError(f"weight {name!r} is float8: int4 quantizes float checkpoints")
+        dense.append(raw.to(w.device))
+    whole = dense[0] if len(dense) == 1 else torch.cat(dense, 0)
+    if whole.shape[1] % GROUP:
+        raise UnsupportedModelError(f"{parts[0][0]} has {whole.shape[1]} columns; int4 weights need a multiple of "
+                                    f"{GROUP}")
+    return quantize_int4(whole, w.dtype)
 
 
 def dequantized(w: Weights, name: str, raw: torch.Tensor, dim: int | None,
