@@ -62,7 +62,7 @@ def serve(model: str | None = None, *, replicas: int = 1, tensor_parallel: int |
     `deployment_name` names the deployment on this host: `mii_async.client(name)` finds it from any process of
     this user, and the gateway answers `POST /mii/{name}`.
     Other keywords are deployment options (worker_host, worker_port, max_queued_requests, max_queued_tokens,
-    heartbeat_s, heartbeat_timeout_s, client_timeout_s, drain_timeout_s, startup_timeout_s, restart_replicas,
+    max_background_per_replica, heartbeat_s, heartbeat_timeout_s, client_timeout_s, drain_timeout_s, startup_timeout_s, restart_replicas,
     curve_dir) or engine options as for `pipeline()`; the seed document's and DeepSpeed-MII 0.3's keywords
     (model_name, enable_rest, replica_num, enable_restful_api, restful_api_port, max_length, …) are read as
     docs/mii_compat.md says. An unknown keyword raises InvalidParameterError listing every option. The

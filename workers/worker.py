@@ -132,7 +132,8 @@ class Worker:
         info = {**eng.limits.to_dict(), "num_blocks": eng.num_blocks, "block_size": eng.config.cache.block_size,
                 "model": str(eng.model_path), "device": str(eng.device), "dtype": str(eng.dtype).removeprefix("torch."),
                 "load_seconds": round(eng.load_seconds, 3), "pid": os.getpid(), "worker": self.name,
-                "peak_rss_mib": _peak_rss_mib(), "tensor_parallel": assign.tensor_parallel}
+                "peak_rss_mib": _peak_rss_mib(), "tensor_parallel": assign.tensor_parallel,
+                "max_num_seqs": eng.config.scheduler.max_num_seqs}
         self.sock.send(P.Ready(replica=self.replica, rank=self.rank, info=info))
         log.info("replica %d rank %d ready: %s on %s, %d KV blocks", self.replica, self.rank, eng.model_path.name,
                  eng.device, eng.num_blocks)

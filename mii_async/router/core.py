@@ -11,11 +11,13 @@ is handled whole before the next.
 Encoding a prompt takes milliseconds to seconds: `generate` answers with the prompt to encode (Encode: a chat
 with the tools it shows, and the request's RenderOptions, through text/prompts.py — the one place where
 prompts become ids), the shell encodes it off the loop and feeds the ids back to `encoded`, which admits the
-request (admission.py), picks a replica (balancer.py) and sends it the ids. An abort meanwhile ends the request
-at once; the late ids then find it gone. Each StepTokens from a replica leader is detokenized per request
-(UTF-8 safe, stop strings) and streamed to the clients as Deltas, one frame per client per step (deltas.py); a
-stop string ends a request here, and the replica is told to abort it. Tokens of aborted requests and late ones
-of a dead generation are dropped. A bad request gets an ErrorReply and the next event is handled as usual.
+request (admission.py), picks a replica (balancer.py) and sends it the ids; a background request (priority
+above 0) is held instead, and sent when a replica has spare capacity for it (background_queue.py: after each
+event that can free some). An abort meanwhile ends the request at once; the late ids then find it gone.
+Each StepTokens from a replica leader is detokenized per request (UTF-8 safe, stop strings) and streamed to the
+clients as Deltas, one frame per client per step (deltas.py); a stop string ends a request here, and the
+replica is told to abort it. Tokens of aborted requests and late ones of a dead generation are dropped. A bad
+request gets an ErrorReply and the next event is handled as usual.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from ..text.chat_tools import keeping_markers
 from ..text.render_options import RenderOptions
 from ..text.request_state import Ended, RequestState
 from .admission import Admission, Prompt
+from .background_queue import BackgroundQueue, is_background
 from .balancer import Balancer, Candidate
 from .deltas import StepFrames, to_delta
 from .replicas import Replica, ReplicaSet
@@ -64,10 +67,12 @@ class Encode(NamedTuple):      # a prompt to turn into ids off the loop; the ans
 
 class RouterCore:
     def __init__(self, replicas: ReplicaSet, balancer: Balancer, admission: Admission,
-                 tokenizer: Any = None) -> None:
+                 tokenizer: Any = None, background: BackgroundQueue | None = None) -> None:
         self.replicas = replicas
         self.balancer = balancer
         self.admission = admission
+        # background requests (priority > 0) wait here for spare capacity (background_queue.py)
+        self.background = background if background is not None else BackgroundQueue()
         self.tokenizer = tokenizer        # decodes every stream; the shell sets it once loaded, before any Generate
         self.requests = RequestTable()
         self.client_seen: dict[bytes, float] = {}   # client → when it was last heard (monotonic seconds)
@@ -110,6 +115,7 @@ class RouterCore:
             return None
         params = keeping_markers(arrival.params, self.tokenizer) if msg.keep_tool_markers else arrival.params
         live = self.requests.open(peer, msg.req_id, params)
+        self.background.arrived(live.rid, params)
         return Encode(live.rid, arrival.prompt, msg.tools, msg.parallel_tool_calls, msg.fit_context, options)
 
     def encoded(self, rid: int, text: str | None, ids: list[int], *, fit_context: bool = False) -> None:
@@ -118,32 +124,59 @@ class RouterCore:
         live = self.requests.get(rid)
         if live is None:
             return                                    # aborted while encoding
+        self.background.encoded(rid)
         try:
             live.params, cost = self.admission.on_encoded(ids, live.params, self.replicas.limits(),
                                                           self.requests.queued_tokens, fit_context)
-            index = self.balancer.pick([Candidate(r.index, self.requests.load(r)) for r in self.replicas.ready()], ids)
-            if index is None:
+            if not self.replicas.ready():
                 raise UnavailableError("no replica is ready")
             state = RequestState(self.tokenizer, text, ids, live.params)    # streams only: keeps no logprobs
         except Exception as exc:  # noqa: BLE001 - refused, as at arrival
             self.encode_failed(rid, exc)
             return
-        rep = self.replicas.replicas[index]
+        if is_background(live.params):
+            live.state = state                        # held: an abort now ends its stream as a dispatched one's
+            self.background.hold(rid, live.params.priority, ids, cost)
+        else:
+            index = self.balancer.pick([Candidate(r.index, self.requests.load(r)) for r in self.replicas.ready()], ids)
+            assert index is not None, "a ready replica was not picked"
+            self._dispatch(live, state, self.replicas.replicas[index], ids, cost)
+        self._admit_background()
+
+    def _dispatch(self, live: LiveRequest, state: RequestState, rep: Replica, ids: list[int], cost: int) -> None:
         self.requests.dispatch(live, state, rep, cost)
+        self.background.sent(live.rid, live.params, rep.index)
         self._to_replica(rep.leader, P.AddRequest(req_id=live.rid, prompt_ids=ids, params=live.params.to_wire()))
+
+    def _admit_background(self) -> None:
+        """Sends held background requests, in (priority, arrival) order, to the replicas with room for them."""
+        while (taken := self.background.take(self.replicas.ready(), self.requests.queued_tokens,
+                                             self.admission.max_queued_tokens)) is not None:
+            held, room = taken
+            live = self.requests.get(held.rid)
+            assert live is not None and live.state is not None, f"held request {held.rid} is not live"
+            index = self.balancer.pick([Candidate(r.index, self.requests.load(r)) for r in room], held.ids)
+            assert index is not None, "a replica with room was not picked"
+            self._dispatch(live, live.state, self.replicas.replicas[index], held.ids, held.cost)
+
+    def _forget(self, live: LiveRequest) -> None:
+        if self.requests.forget(live):
+            self.background.forget(live.rid)
 
     def encode_failed(self, rid: int, exc: BaseException) -> None:
         """The prompt could not be encoded (or admitted): the request is refused."""
         live = self.requests.get(rid)
         if live is None:
             return                                    # aborted meanwhile
-        self.requests.forget(live)
+        self._forget(live)
         self._refuse(live.peer, live.creq, _as_refusal(exc, live.creq))
+        self._admit_background()
 
     def abort(self, peer: bytes, creq: str) -> None:
         live = self.requests.find(peer, creq)
         if live is not None:
             self.end(live, Ended("abort"), tell_replica=True)
+            self._admit_background()
 
     def expire_clients(self, now: float, timeout_s: float) -> None:
         """A client silent for `timeout_s` (it pings while it has requests) loses its requests, so that a
@@ -157,6 +190,7 @@ class RouterCore:
                 self.end(live, Ended("abort", "client timed out"), tell_replica=True)
         for p in gone:
             del self.client_seen[p]
+        self._admit_background()
 
     def abort_all(self, reason: str) -> None:
         """Ends every live request with finish_reason "abort" and `reason` (the deployment is stopping)."""
@@ -191,11 +225,12 @@ class RouterCore:
                     state.needs_abort = False
                     self._to_replica(peer, P.AbortRequest(req_id=rid))
                 if state.finished:
-                    self.requests.forget(live)
+                    self._forget(live)
         finally:
             # Also when a request's event raised: the deltas made so far (final ones of forgotten requests
             # among them) still go out.
             frames.close()
+            self._admit_background()
 
     def request_failed(self, peer: bytes, msg: P.RequestFailed) -> None:
         """A replica leader ended a request with an error; with `param`, the request's value is at fault."""
@@ -203,10 +238,12 @@ class RouterCore:
         if live is not None and _from_replica(peer, live):
             self.counters["failed" if msg.param is None else "rejected"] += 1   # a caller's value: refused
             self.end(live, Ended("error", msg.message, msg.param), tell_replica=False)
+            self._admit_background()
 
     def replica_ready(self, rep: Replica) -> None:
         """A replica (a new generation of its number) serves: its prefix cache is empty."""
         self.balancer.forget(rep.index)
+        self._admit_background()
 
     def fail_replica(self, rep: Replica, reason: str) -> None:
         """A replica died: each of its in-flight requests ends with finish_reason "error" and a message that
@@ -218,12 +255,18 @@ class RouterCore:
             if live is not None:
                 self.counters["failed"] += 1
                 self.end(live, Ended("error", f"replica {rep.index} failed: {reason}"), tell_replica=False)
+        if not self.replicas.ready():                 # refused as a request encoded now would be
+            for held in self.background.held():
+                if (live := self.requests.get(held.rid)) is not None:
+                    self._forget(live)
+                    self._refuse(live.peer, live.creq, UnavailableError("no replica is ready"))
+        self._admit_background()
 
     # -- ending --------------------------------------------------------------------------------------
     def end(self, live: LiveRequest, ev: Ended, tell_replica: bool) -> None:
         """Ends a live request with an abort or an error, telling the client (and, with `tell_replica`, the
         replica, while it is ready)."""
-        self.requests.forget(live)
+        self._forget(live)
         if live.state is None:                      # still encoding: `encoded` will find it gone
             if ev.reason == "error":
                 code = "generation_failed" if ev.param is None else "invalid_parameter"

@@ -29,6 +29,7 @@ from ..errors import InvalidParameterError
 from ..mesh_keys import deployment_keys_dir, ensure_keys, publish, unpublish
 from ..transport import RouterSocket, start_authenticator
 from .admission import Admission
+from .background_queue import BackgroundQueue
 from .balancer import Balancer
 from .core import Encode, RouterCore, ToClient
 from .encoder_pool import EncoderPool
@@ -60,7 +61,8 @@ class Router:
         self.tensor_parallel = 1 if serve.tensor_parallel == "auto" else int(serve.tensor_parallel)   # set in start()
         self.replicas = ReplicaSet(self.tensor_parallel, local, self.keys_dir)
         self.core = RouterCore(self.replicas, Balancer(engine.cache.block_size),
-                               Admission(serve.max_queued_requests, serve.max_queued_tokens))
+                               Admission(serve.max_queued_requests, serve.max_queued_tokens),
+                               background=BackgroundQueue(serve.max_background_per_replica, engine.scheduler))
         self.stats_queries = StatsQueries(self.replicas, self.workers_sock)
         self.supervisor = Supervisor(self.core, serve, self.flush, self.stats_queries.replica_gone)
         self.worker_link = WorkerLink(self.workers_sock, self.core,
@@ -269,6 +271,7 @@ class Router:
                 "replicas": [r.describe(core.requests.load(r))
                              for r in sorted(self.replicas.replicas.values(), key=lambda r: r.index)],
                 "live_requests": len(core.requests), "queued_tokens": core.requests.queued_tokens,
+                "background": core.background.stats(self.replicas.ready()),
                 "bad_frames": self.clients.bad_frames + self.workers_sock.bad_frames, **core.counters}
 
     async def stats(self, reset_prefix_cache: bool = False) -> dict:

@@ -1,6 +1,7 @@
 """kill -9 of a whole deployment (router, worker, gateway) in the middle of a batch, then a new deployment on
 the same jobs_dir: the batch resumes by itself, no finished line runs again, none is lost, and the output file
-is whole, in input order, each answer the greedy answer of its line alone."""
+is whole, in input order, each answer the greedy answer of its line alone. Once with 40 lines of the default
+model, once with 200 lines of a tiny random model (the issue's size, kept cheap)."""
 from __future__ import annotations
 
 import json
@@ -8,18 +9,18 @@ import os
 import signal
 import sqlite3
 import time
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 import mii_async
-from tests.mesh_helpers import deployment_pids, wait_gone
-
-N_LINES = 40
+from tests.mesh_helpers import deployment_pids, wait_gone, with_word_tokenizer
 
 
-def _serve(model_dir, jobs_dir: str):
-    client = mii_async.serve(str(model_dir), kv_cache_memory=0.1, enable_http=True, http_port=0, jobs_dir=jobs_dir)
+def _serve(model_dir: Path, jobs_dir: str, **opts: Any):
+    client = mii_async.serve(str(model_dir), enable_http=True, http_port=0, jobs_dir=jobs_dir, **opts)
     pids = [client._process.pid, client._process.gateway.pid] + deployment_pids(client.run(client.health()))
     return client, pids
 
@@ -41,21 +42,20 @@ def _poll(http: httpx.Client, batch_id: str, done, timeout_s: float = 600) -> di
         time.sleep(0.1)
 
 
-@pytest.mark.slow
-def test_kill_9_mid_batch_then_restart_resumes(default_model_dir, tmp_path):
-    jobs_dir = str(tmp_path / "jobs")
-    lines = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
-              "body": {"prompt": f"Here is fact number {i} about the sea:", "max_tokens": 24, "temperature": 0,
-                       "ignore_eos": True}} for i in range(N_LINES)]
-    client, pids = _serve(default_model_dir, jobs_dir)
+def _kill_mid_batch_then_resume(model_dir: Path, jobs_dir: str, lines: list[dict], kill_after: int,
+                                **opts: Any) -> None:
+    """Runs `lines` as a batch, kills every process of the deployment (-9) once `kill_after` lines have
+    finished, starts a new deployment on `jobs_dir` and checks the resumed batch's output file."""
+    n = len(lines)
+    client, pids = _serve(model_dir, jobs_dir, **opts)
     try:
         with httpx.Client(base_url=client.http_url, timeout=120) as http:
             f = http.post("/v1/files", files={"file": ("in.jsonl", "".join(json.dumps(x) + "\n" for x in lines))},
                           data={"purpose": "batch"}).json()
             b = http.post("/v1/batches", json={"input_file_id": f["id"], "endpoint": "/v1/completions",
                                                "completion_window": "24h"}).json()
-            mid = _poll(http, b["id"], lambda b: b["request_counts"]["completed"] >= 8 or b["status"] != "in_progress"
-                        and b["status"] != "validating")
+            mid = _poll(http, b["id"], lambda b: b["request_counts"]["completed"] >= kill_after
+                        or b["status"] not in ("in_progress", "validating"))
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
         assert not wait_gone(pids, 30), "processes left after kill -9"
@@ -68,14 +68,14 @@ def test_kill_9_mid_batch_then_restart_resumes(default_model_dir, tmp_path):
                 pass
     assert mid["status"] == "in_progress", mid
     before = _finished(jobs_dir)
-    assert 8 <= len(before) < N_LINES, f"{len(before)} lines had finished at the kill: not the middle of the batch"
+    assert kill_after <= len(before) < n, f"{len(before)} lines had finished at the kill: not the middle of the batch"
 
-    client, pids = _serve(default_model_dir, jobs_dir)
+    client, pids = _serve(model_dir, jobs_dir, **opts)
     try:
         with httpx.Client(base_url=client.http_url, timeout=120) as http:
             done = _poll(http, b["id"], lambda b: b["status"] in ("completed", "failed", "cancelled"))
             assert done["status"] == "completed", done
-            assert done["request_counts"] == {"total": N_LINES, "completed": N_LINES, "failed": 0}
+            assert done["request_counts"] == {"total": n, "completed": n, "failed": 0}
             assert done["error_file_id"] is None
             out = [json.loads(x) for x in http.get(f"/v1/files/{done['output_file_id']}/content").text.splitlines()]
             assert [x["custom_id"] for x in out] == [x["custom_id"] for x in lines]      # each once, in order
@@ -89,3 +89,23 @@ def test_kill_9_mid_batch_then_restart_resumes(default_model_dir, tmp_path):
     finally:
         client.terminate_server_sync(drain_s=0)
         assert not wait_gone(pids), "processes left behind"
+
+
+@pytest.mark.slow
+def test_kill_9_mid_batch_then_restart_resumes(default_model_dir, tmp_path):
+    """40 lines of the default model, killed after 8 have finished."""
+    lines = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": f"Here is fact number {i} about the sea:", "max_tokens": 24, "temperature": 0,
+                       "ignore_eos": True}} for i in range(40)]
+    _kill_mid_batch_then_resume(default_model_dir, str(tmp_path / "jobs"), lines, 8, kv_cache_memory=0.1)
+
+
+@pytest.mark.slow
+def test_kill_9_mid_200_line_batch_then_restart_resumes(tiny_model, tmp_path):
+    """200 lines of a tiny random Llama (a word tokenizer: prompts of words w3 … w319), killed after 50 have
+    finished: every custom_id once in the results, each the greedy answer of its line alone."""
+    model = with_word_tokenizer(tiny_model("llama"), tmp_path / "tiny")
+    lines = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": f"w{3 + i % 300} w{5 + (7 * i) % 300} w{11 + (13 * i) % 300}", "max_tokens": 16,
+                       "temperature": 0, "ignore_eos": True}} for i in range(200)]
+    _kill_mid_batch_then_resume(model, str(tmp_path / "jobs"), lines, 50, num_blocks=512)

@@ -36,6 +36,18 @@ def prompts_for(seed: str, lengths: list[int]) -> list[list[int]]:
     return [[rng.randrange(3, 320) for _ in range(n)] for n in lengths]
 
 
+def hf_reference(path: Path, dtype: Any = None, device: str = "cpu") -> Any:
+    """transformers' model of `path` as the reference: in eager attention where the config soft-caps attention
+    scores (Gemma 2), the one attention of transformers that applies the cap (its SDPA path leaves it out)."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    extra = {"attn_implementation": "eager"} if cfg.get("attn_logit_softcapping") else {}
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32, **extra).to(device).eval()
+
+
 def greedy(model: Any, prompt: list[int], n: int) -> list[int]:
     """transformers' greedy continuation of `prompt`, `n` tokens, on the model's device."""
     ids = torch.tensor([prompt], device=model.device)
@@ -51,9 +63,7 @@ def check_parity(path: Path, prompts: list[list[int]], new_tokens: int = 32, tol
     continuation, batched; then each prompt's second half behind the first half of the first prompt (its blocks
     cached by then); the logits of the first prompt's last position. Returns that logits' relative error
     (asserted below `tol`)."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
+    hf = hf_reference(path, device=device)
     options = dict(num_blocks=128, block_size=16, max_batch_tokens=64, max_num_seqs=8, enable_prefix_caching=True,
                    device=device)
     engine = make_engine(path, **{**options, **engine_options})

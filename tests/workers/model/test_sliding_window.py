@@ -11,7 +11,7 @@ from mii_async.errors import UnsupportedModelError
 from mii_async.params import SamplingParams
 
 from ..helpers import make_engine
-from .family_parity import SHAPE, check_parity, prompts_for, save_tiny
+from .family_parity import SHAPE, check_parity, hf_reference, prompts_for, save_tiny
 
 
 def _mistral(tmp_path, window: int = 24):
@@ -131,12 +131,10 @@ def test_families_on_cuda_bf16_logits(tmp_path, family):
     """bf16 with the CUDA op set (variable-length flash within the window, the tensor-core decode kernel with
     the window and the cap, replayed from the decode graphs): the logits of the prefill's last chunk and of 8
     decode steps after a 500-token prompt each within 3e-2 of transformers' fp32 forward over the same tokens."""
-    from transformers import AutoModelForCausalLM
-
     from ..helpers import run_engine
 
     path = _gpu_model(tmp_path, family)
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).cuda().eval()
+    hf = hf_reference(path, device="cuda")
     engine = make_engine(path, device="cuda", dtype="bfloat16", kernels="cuda", num_blocks=256,
                          max_batch_tokens=128, async_scheduling=False)
     assert engine.runner.graphs is not None
