@@ -24,7 +24,7 @@ from mii_async.model_source import resolve_model
 
 from .core.block_manager import BlockManager
 from .core.scheduler import Scheduler
-from .cpu_plan import apply_threads, auto_quantization
+from .cpu_plan import StepThreads, apply_threads, auto_quantization
 from .cpu_plan import describe as describe_cpu
 from .execute import kv_cache
 from .execute.memory_plan import MemoryPlan, plan_kv, profile_step, warn_limits
@@ -124,6 +124,8 @@ def build(config: EngineConfig, model_path: Path | None = None, tp: TPGroup | No
     block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
     scheduler = Scheduler(sched, block_manager)
     runner = Runner(model, kv, cc.block_size, device)
+    if device.type == "cpu" and tp is None:
+        runner.step_threads = StepThreads(threads)
     if graph_plan is not None:
         runner.capture(graph_plan, scratch_block=num_blocks)
     if memory_plan is not None:

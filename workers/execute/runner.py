@@ -176,6 +176,7 @@ class Runner:
                                                           # replayed, attention eager between them
         self.ragged = getattr(model.ops, "RAGGED_PREFILL", False)   # the op set takes prefill_groups
         self.staging = Staging(device) if device.type != "cpu" else None
+        self.step_threads: Callable[[int], None] | None = None   # CPU: sets the threads for a step of N tokens
 
     def capture(self, plan: GraphPlan, scratch_block: int) -> None:
         """Captures the graphs `plan` asks for over this runner's KV pool: the decode graphs, then the
@@ -220,6 +221,8 @@ class Runner:
             logits = self.graphs.run(plan, pending)
             if logits is not None:
                 return logits
+        if self.step_threads is not None:
+            self.step_threads(plan.num_tokens)
         pw = self.piecewise
         pad = pw.bucket(plan.num_tokens) if pw is not None else 0
         h = host_inputs(plan, self.block_size, self.ragged, pending is not None, pad,
