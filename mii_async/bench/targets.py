@@ -95,16 +95,21 @@ class RouterTarget:
 
 
 class OpenAITarget:
-    """The gateway's OpenAI completions endpoint, streamed (SSE with include_usage)."""
+    """The gateway's OpenAI completions endpoint, streamed (SSE with include_usage); any other OpenAI-compatible
+    server too. `reuse_connections=False` opens a connection per request: llama-cpp-python's server drops a
+    request sent on a kept-alive connection after a long stream. `extra_body` adds a server's own fields to
+    every request (e.g. llama.cpp's `repeat_penalty`)."""
 
     def __init__(self, base_url: str, api_key: str | None = None, model: str | None = None,
-                 connect_timeout_s: float = 10.0) -> None:
+                 connect_timeout_s: float = 10.0, *, reuse_connections: bool = True,
+                 extra_body: dict[str, Any] | None = None) -> None:
         import httpx
 
         self.label = f"openai {base_url}"
         self.base = base_url.rstrip("/").removesuffix("/v1")
+        self.extra_body = dict(extra_body or {})
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64 if reuse_connections else 0)
         self.http = httpx.AsyncClient(base_url=self.base, headers=headers, timeout=httpx.Timeout(None, connect=connect_timeout_s),
                                       limits=limits)
         self.model = model
@@ -129,22 +134,28 @@ class OpenAITarget:
                 "stream_options": {"include_usage": True}}
         if "min_new_tokens" in params:
             body["min_tokens"] = params["min_new_tokens"]
+        body.update(self.extra_body)
         rec = RequestRecord(req.prompt_len, req.output_len, time.perf_counter(), chunk_tokens=None)
+        finish: list[str] = []
         try:
             async with self.http.stream("POST", "/v1/completions", json=body) as r:
                 if r.status_code != 200:
                     rec.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
                 else:
                     async for line in r.aiter_lines():
-                        self._event(rec, line)
+                        self._event(rec, line, finish)
         except Exception as exc:  # noqa: BLE001 - counted as failed
             rec.error = f"{type(exc).__name__}: {exc}"
+        if rec.ok and not rec.output_tokens:
+            # A server that streams no usage (llama-cpp-python): a "length" finish means exactly max_tokens
+            # tokens; any other end counts the chunks, one token each as such servers stream them.
+            rec.output_tokens = body["max_tokens"] if finish[-1:] == ["length"] else len(rec.chunk_times)
         rec.end = time.perf_counter()
         return rec
 
     @staticmethod
-    def _event(rec: RequestRecord, line: str) -> None:
-        """One SSE line of a completion stream into the record."""
+    def _event(rec: RequestRecord, line: str, finish: list[str] | None = None) -> None:
+        """One SSE line of a completion stream into the record; a finish reason is appended to `finish`."""
         if not line.startswith("data: ") or line == "data: [DONE]":
             return
         ev = json.loads(line[6:])
@@ -153,6 +164,8 @@ class OpenAITarget:
             return
         if ev.get("choices") and ev["choices"][0].get("text"):
             rec.chunk_times.append(time.perf_counter())
+        if finish is not None and ev.get("choices") and ev["choices"][0].get("finish_reason"):
+            finish.append(ev["choices"][0]["finish_reason"])
         if ev.get("usage"):
             rec.output_tokens = ev["usage"]["completion_tokens"]
             rec.prompt_len = ev["usage"]["prompt_tokens"]
