@@ -28,7 +28,7 @@ class PrefillGroup(NamedTuple):
     max_k: int
 
 
-class AttentionMetadata(NamedTuple):
+class _AttentionFields(NamedTuple):
     slot_mapping: torch.Tensor      # [num_tokens] int64: block_id * block_size + offset where each token's K/V goes
     block_tables: torch.Tensor      # [num_seqs, max_blocks] int64: each sequence's blocks, padded with 0
     context_lens: torch.Tensor      # [num_seqs] int64: keys per sequence after this step's tokens are written
@@ -38,6 +38,16 @@ class AttentionMetadata(NamedTuple):
     query_lens: list[int]           # host copy of the query lengths (the reference loops over prefills)
     context_lens_host: list[int]    # host copy of context_lens
     prefill_groups: tuple[PrefillGroup, ...] | None = None   # the prompt chunks for a ragged kernel
+
+
+class AttentionMetadata(_AttentionFields):
+    """The fields above, and `memo`: what an op set derives from them once and every layer reuses."""
+
+    @property
+    def memo(self) -> dict[object, object]:
+        """Derived per-step state (the CPU decode plan, per window and block size), kept on the metadata so
+        that it lives as long as the step does; `_replace` gives a new, empty one."""
+        return self.__dict__
 
 
 class HostGroup(NamedTuple):

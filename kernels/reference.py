@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import cpu_decode_attention
 from .fp8_weight import FP8Weight
 from .int_weight import Int4Weight, Int8Weight
 from .metadata import AttentionMetadata
@@ -168,28 +169,54 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     A sequence with query length L and context length C holds its queries at positions C-L … C-1; query i
     attends keys 0 … C-L+i, or with a sliding `window` W only the last W of them (keys C-L+i-W+1 … C-L+i, as
     transformers' sliding mask). `softcap`: scores s·scale become softcap·tanh(s·scale / softcap) before the
-    softmax (Gemma 2). Decodes (L = 1) are batched over a padded gather; prefill chunks loop. `out`: where to
-    write the result (shaped as q), e.g. a piecewise graph's static input.
+    softmax (Gemma 2). Decodes (L = 1): on the CPU each row attends its keys in place (cpu_decode_attention.py,
+    its plan built once per step and window); elsewhere they are batched over a padded gather. Prefill chunks
+    loop. `out`: where to write the result (shaped as q), e.g. a piecewise graph's static input.
     """
     assert window is None or window > 0, f"a sliding window holds at least one position, got {window}"
     out = torch.empty_like(q) if out is None else out
     nd = meta.num_decodes
-    bs = k_cache.shape[1]
-    if nd:
-        nb = -(-max(meta.context_lens_host[:nd]) // bs)
-        tables = meta.block_tables[:nd, :nb]
-        keys = _blocks(k_cache, tables).flatten(1, 2).transpose(1, 2)   # [nd, Hkv, nb*bs, D]
-        vals = _blocks(v_cache, tables).flatten(1, 2).transpose(1, 2)
-        pos = torch.arange(nb * bs, device=q.device)[None, :]
-        clens = meta.context_lens[:nd, None]
-        mask = pos < clens
-        if window is not None:
-            mask &= pos >= clens - window
-        o = _attend(q[:nd].unsqueeze(2), keys.to(q.dtype), vals.to(q.dtype), mask[:, None, None, :], scale,
-                    softcap)
-        out[:nd] = o.squeeze(2)
+    if nd and q.device.type == "cpu":
+        plan = _decode_plan(meta, k_cache.shape[1], window)
+        cpu_decode_attention.decode_attention(q, k_cache, v_cache, plan, scale, out, softcap)
+    elif nd:
+        _padded_decode_attention(q, k_cache, v_cache, meta, scale, out, window, softcap)
     prefill_attention(q, k_cache, v_cache, meta, scale, out, window, softcap)
     return out
+
+
+def _decode_plan(meta: AttentionMetadata, block_size: int,
+                 window: int | None) -> cpu_decode_attention.DecodePlan:
+    """The step's CPU decode plan for `window`, made by the first layer that asks and kept in meta.memo."""
+    key = ("cpu_decode_plan", block_size, window)
+    plan = meta.memo.get(key)
+    if plan is None:
+        plan = cpu_decode_attention.plan_decodes(meta.block_tables, meta.context_lens_host[:meta.num_decodes],
+                                                 block_size, window)
+        meta.memo[key] = plan
+    return plan  # type: ignore[return-value]
+
+
+def _padded_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             meta: AttentionMetadata, scale: float, out: torch.Tensor, window: int | None,
+                             softcap: float | None) -> None:
+    """paged_attention's decode rows [0, num_decodes) written into `out`, all of them in one masked attention
+    over their blocks gathered and padded to the longest context: a few large launches, which is what a GPU
+    wants (the CPU reads in place instead, cpu_decode_attention.py)."""
+    nd = meta.num_decodes
+    bs = k_cache.shape[1]
+    nb = -(-max(meta.context_lens_host[:nd]) // bs)
+    tables = meta.block_tables[:nd, :nb]
+    keys = _blocks(k_cache, tables).flatten(1, 2).transpose(1, 2)   # [nd, Hkv, nb*bs, D]
+    vals = _blocks(v_cache, tables).flatten(1, 2).transpose(1, 2)
+    pos = torch.arange(nb * bs, device=q.device)[None, :]
+    clens = meta.context_lens[:nd, None]
+    mask = pos < clens
+    if window is not None:
+        mask &= pos >= clens - window
+    o = _attend(q[:nd].unsqueeze(2), keys.to(q.dtype), vals.to(q.dtype), mask[:, None, None, :], scale,
+                softcap)
+    out[:nd] = o.squeeze(2)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
