@@ -15,7 +15,7 @@ Three phases on one deployment (the default model on the CPU unless told otherwi
 3. at once: the same lines' bodies sent all together through /v1/completions (interactive priority, no batch
    bound), timed to the last answer.
 
-The target (issue 40's): interactive TTFT p50 while the batch runs at most 1.5× the idle p50.
+The target: interactive TTFT p50 while the batch runs at most 1.5× the idle p50.
 """
 from __future__ import annotations
 
