@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import os
 import threading
 import weakref
 from contextlib import aclosing
@@ -36,7 +35,7 @@ import zmq.asyncio
 from . import protocol as P
 from .client_connection import Connection, ConnectionConfig, Lost, within
 from .client_loops import close_then_set, on_loop, release, run_loop, stop_when_idle, term_after
-from .client_requests import checked_request, chunk_of
+from .client_requests import checked_request, chunk_of, put_prompt
 from .errors import (EngineClosedError, InvalidParameterError, RequestTooLongError, UnavailableError,
                      error_from_code)
 from .mii_params import cap_length
@@ -44,10 +43,9 @@ from .outputs import Response, StreamChunk
 from .params import SamplingParams
 from .streamed_response import collect, generate_streaming
 from .sync_facade import DualStream, dual, loop_running
-from .text.prompts import check_token_ids, is_messages, is_token_ids
+from .text.prompts import is_messages, is_token_ids
 from .text.render_options import RenderOptions
 from .transport import DealerSocket
-from .text.unicode_text import check_text
 
 if TYPE_CHECKING:
     from .jobs.job_client import JobClient
@@ -166,22 +164,7 @@ class AsyncClient:
         conn = self._conn()
         req_id = str(next(self._ids))
         msg = P.Generate(req_id=req_id, params=sp.to_wire(), **(fields or {}))
-        if msg.tools is not None and not is_messages(prompt):
-            raise InvalidParameterError("tools", "tools go with a chat: give the prompt as messages")
-        if isinstance(prompt, str):
-            check_text("prompt", prompt)                 # msgpack could not carry it
-            msg.prompt = prompt
-        elif is_token_ids(prompt):
-            check_token_ids(prompt)
-            msg.prompt_ids = list(prompt)
-        elif is_messages(prompt):
-            msg.messages = [dict(m) for m in prompt]
-            for i, m in enumerate(msg.messages):
-                check_text(f"messages[{i}]", m)
-                if not all(isinstance(k, str) for k in m):   # msgpack's maps on the wire take string keys
-                    raise InvalidParameterError(f"messages[{i}]", "keys must be strings")
-        else:
-            raise InvalidParameterError("prompt", "must be a string, a list of token ids or a list of chat messages")
+        put_prompt(msg, prompt)
         conn.check_up()                  # a router known to be gone: refused here, with no Abort to send later
         q = conn.open_stream(req_id)
         done = False
@@ -269,14 +252,9 @@ class AsyncClient:
         """The JobClient on `jobs_dir` (None: as `jobs` says), made at the first call; closed with this client.
         On the directory of the gateway this client's serve() started, it keeps that gateway's job limits, model
         name and leniency (its HttpConfig); elsewhere HttpConfig's defaults."""
-        from .jobs.job_client import JobClient, default_jobs_dir
+        from .jobs.job_client import JobClient, served_jobs_dir
 
-        served = self._gateway.http if self._gateway is not None else None
-        if jobs_dir is None:
-            jobs_dir = served.jobs_dir if served is not None else default_jobs_dir()
-        path = os.path.abspath(jobs_dir)
-        if served is not None and os.path.abspath(served.jobs_dir) != path:
-            served = None
+        path, served = served_jobs_dir(self._gateway.http if self._gateway is not None else None, jobs_dir)
         with self._lock:
             if self._closed:
                 raise EngineClosedError("the client is closed")

@@ -7,6 +7,8 @@ import sys
 import threading
 from typing import Any
 
+from .cli_http import add_http_args, gateway_config, http_fields
+
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
@@ -110,10 +112,7 @@ def _serve(a: argparse.Namespace) -> int:
         **({"cuda_graphs": False} if a.enforce_eager else {})))
     http = None
     if not a.no_http:
-        http = HttpConfig(http_host=a.http_host, http_port=a.http_port, served_model_name=a.served_model_name,
-                          api_key=a.api_key or os.environ.get(API_KEY_ENV) or None,
-                          allowed_origins=a.allowed_origin or (), allowed_hosts=_hosts(a), **_limits(a),
-                          lenient_requests=a.lenient_requests, **_jobs_options(a))
+        http = HttpConfig(**http_fields(a), api_key=a.api_key or os.environ.get(API_KEY_ENV) or None)
         if http.http_port:                          # fail before the model loads, not after
             from .gateway.main import bind
 
@@ -211,84 +210,8 @@ def _keep_gateway(gateway: list, router_address: str, http, serve, keys_dir: str
 def _gateway(a: argparse.Namespace) -> int:
     from .gateway.main import main as gateway_main
 
-    argv = ["--router", a.router, "--config", _gateway_config(a)] + (["--curve-dir", a.curve_dir] if a.curve_dir else [])
+    argv = ["--router", a.router, "--config", gateway_config(a)] + (["--curve-dir", a.curve_dir] if a.curve_dir else [])
     return gateway_main(argv + ["--log-level", a.log_level] + (["--tokenizer", a.tokenizer] if a.tokenizer else []))
-
-
-def _gateway_config(a: argparse.Namespace) -> str:
-    import json
-    import os
-
-    from .config import HttpConfig
-    from .gateway.main import API_KEY_ENV
-
-    if a.api_key:
-        os.environ[API_KEY_ENV] = a.api_key         # read by the gateway, kept off its config
-    cfg = {"http_host": a.http_host, "http_port": a.http_port, "served_model_name": a.served_model_name,
-           "allowed_origins": a.allowed_origin or [], "allowed_hosts": _hosts(a), **_limits(a),
-           "lenient_requests": a.lenient_requests, **_jobs_options(a)}
-    HttpConfig(**cfg)
-    return json.dumps(cfg)
-
-
-def _http_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--http-host", default="127.0.0.1", help="the gateway's address (default: loopback only)")
-    p.add_argument("--http-port", type=int, default=8000, help="the gateway's port (0: any free one)")
-    p.add_argument("--api-key", default=None, help="required on every HTTP and WebSocket route "
-                   "(default: $MII_ASYNC_API_KEY; none: open)")
-    p.add_argument("--served-model-name", default=None, help="the model's name in the OpenAI API")
-    p.add_argument("--allowed-origin", action="append", default=None, metavar="ORIGIN",
-                   help="a web origin (https://app.example.com) whose pages may open the WebSocket, besides those of "
-                   "allowed hosts; repeatable; '*' for any")
-    p.add_argument("--allowed-hosts", action="append", default=None, metavar="NAMES",
-                   help="host names (comma-separated; repeatable) that requests may name in Host, besides loopback "
-                   "and the --http-host address: others are refused, against DNS rebinding; '*.example.com' for "
-                   "subdomains, '*' for any")
-    p.add_argument("--lenient-requests", action="store_true",
-                   help="OpenAI routes: drop unknown request fields (a warning logged once per name) instead of "
-                   "refusing them with a 400, as vLLM does")
-    p.add_argument("--jobs-dir", default=None, help="the Files and Batches API's store, one gateway's own "
-                   "(default: $MII_ASYNC_CACHE/jobs, else ~/.cache/mii_async/jobs; docs/jobs.md)")
-    from .jobs.batch_cli import add_limit_args
-
-    add_limit_args(p)                               # --jobs-max-file-bytes, --jobs-max-lines, …
-    _limit_args(p)
-
-
-def _jobs_options(a: argparse.Namespace) -> dict[str, Any]:
-    """The Files and Batches API's HttpConfig fields that were given: jobs_dir and the job limits."""
-    from .jobs.batch_cli import limit_fields
-
-    return {**({"jobs_dir": a.jobs_dir} if a.jobs_dir else {}), **limit_fields(a)}
-
-
-_LIMIT_FLAGS = (("header_timeout_s", "--header-timeout", float, "seconds a request's headers may take to arrive "
-                  "(from connect, or from a kept-alive request's first byte); then 408"),
-                ("max_header_bytes", "--max-header-bytes", int, "a larger request line + headers: 431"),
-                ("max_connections", "--max-connections", int, "open HTTP connections; a new one beyond: 503"),
-                ("max_connections_per_ip", "--max-connections-per-ip", int,
-                 "open HTTP connections per client address (a reverse proxy's clients share its address)"),
-                ("max_websockets", "--max-websockets", int, "open WebSockets; a new one beyond is closed (1013)"),
-                ("max_websockets_per_ip", "--max-websockets-per-ip", int, "open WebSockets per client address"),
-                ("ws_idle_timeout_s", "--ws-idle-timeout", float,
-                 "seconds a WebSocket may go without a client message or live request; then closed (1001)"))
-
-
-def _limit_args(p: argparse.ArgumentParser) -> None:
-    """The gateway's connection limits (HttpConfig fields, docs/gateway.md "Limits"); unset: its defaults."""
-    from .config import HttpConfig
-
-    for field, flag, kind, text in _LIMIT_FLAGS:
-        p.add_argument(flag, type=kind, default=None, dest=field,
-                       help=f"{text} (default: {getattr(HttpConfig, field):g})")
-
-
-def _limits(a: argparse.Namespace) -> dict[str, Any]:
-    return {field: v for field, *_ in _LIMIT_FLAGS if (v := getattr(a, field)) is not None}
-
-
-def _hosts(a: argparse.Namespace) -> list[str]:
-    return [h.strip() for arg in a.allowed_hosts or () for h in arg.split(",") if h.strip()]
 
 
 def _worker(a: argparse.Namespace) -> int:
@@ -347,7 +270,7 @@ def _serve_parser(sub: Any) -> None:
                    help="requests running at once per replica (default: 64 on CPU, 256 on a GPU)")
     s.add_argument("--enforce-eager", action="store_true",
                    help="GPU: no CUDA graphs (neither decode graphs nor the piecewise graphs of prompt steps)")
-    _http_args(s)
+    add_http_args(s)
     s.add_argument("--no-http", action="store_true", help="no gateway: only the router's ZeroMQ socket")
     s.add_argument("--status-json", action="store_true", help="also print the ready status as one JSON line")
     s.add_argument("--log-level", **LOG_LEVEL)
@@ -376,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     w.set_defaults(func=_worker)
     gw = sub.add_parser("gateway", help="run an HTTP/WebSocket gateway in front of a running router")
     gw.add_argument("--router", required=True, help="the router's client address, e.g. tcp://127.0.0.1:5555")
-    _http_args(gw)
+    add_http_args(gw)
     gw.add_argument("--curve-dir", default=None)
     gw.add_argument("--tokenizer", default=None, help="the model directory, when the router's is not on this host")
     gw.add_argument("--log-level", **LOG_LEVEL)

@@ -1,6 +1,6 @@
 """What a client's request is on the wire and what its answers become: a request's parameters checked into
-SamplingParams and its Generate fields (naming the parameter at fault, before anything is sent), and a Delta
-read into the StreamChunk callers get."""
+SamplingParams, its Generate fields and its prompt (naming the parameter at fault, before anything is sent),
+and a Delta read into the StreamChunk callers get."""
 from __future__ import annotations
 
 import itertools
@@ -12,7 +12,9 @@ from .mii_params import check_max_length, check_names, length_request
 from .outputs import Logprob, StreamChunk, Usage
 from .params import SamplingParams
 from .text.chat_tools import check_tools, keep_call_markers
+from .text.prompts import check_token_ids, is_messages, is_token_ids
 from .text.render_options import RenderOptions
+from .text.unicode_text import check_text
 
 
 def checked_request(params: dict[str, Any], max_length: Any, tools: Any, parallel_tool_calls: Any,
@@ -38,6 +40,27 @@ def generate_fields(params: dict[str, Any], tools: Any, parallel_tool_calls: Any
             raise InvalidParameterError(name, "must be true or false")
     return {"tools": None if tools is None else list(tools), "parallel_tool_calls": parallel_tool_calls,
             "keep_tool_markers": keep_call_markers(tools, params), "fit_context": fit_context}
+
+
+def put_prompt(msg: P.Generate, prompt: Any) -> None:
+    """Sets the Generate's prompt, prompt_ids or messages from `prompt` (text, token ids or chat messages),
+    checked for what the wire carries, naming the parameter."""
+    if msg.tools is not None and not is_messages(prompt):
+        raise InvalidParameterError("tools", "tools go with a chat: give the prompt as messages")
+    if isinstance(prompt, str):
+        check_text("prompt", prompt)                 # msgpack could not carry it
+        msg.prompt = prompt
+    elif is_token_ids(prompt):
+        check_token_ids(prompt)
+        msg.prompt_ids = list(prompt)
+    elif is_messages(prompt):
+        msg.messages = [dict(m) for m in prompt]
+        for i, m in enumerate(msg.messages):
+            check_text(f"messages[{i}]", m)
+            if not all(isinstance(k, str) for k in m):   # msgpack's maps on the wire take string keys
+                raise InvalidParameterError(f"messages[{i}]", "keys must be strings")
+    else:
+        raise InvalidParameterError("prompt", "must be a string, a list of token ids or a list of chat messages")
 
 
 def usage_of(u: dict | None) -> Usage | None:

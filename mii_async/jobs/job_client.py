@@ -294,6 +294,18 @@ class JobClient:
         self.close()
 
 
+def served_jobs_dir(served: Any, jobs_dir: str | None) -> tuple[str, Any]:
+    """The absolute jobs directory a client's JobClient uses — `jobs_dir`, else that of the gateway its serve()
+    started (`served`, an HttpConfig or None), else the default — and that gateway's HttpConfig when the
+    directory is the gateway's own (its limits, model name and leniency apply), else None."""
+    if jobs_dir is None:
+        jobs_dir = served.jobs_dir if served is not None else default_jobs_dir()
+    path = os.path.abspath(jobs_dir)
+    if served is not None and os.path.abspath(served.jobs_dir) != path:
+        served = None
+    return path, served
+
+
 def default_jobs_dir() -> str:
     """The gateway's default directory (HttpConfig.jobs_dir), absolute."""
     from ..config import HttpConfig

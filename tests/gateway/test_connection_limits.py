@@ -314,7 +314,7 @@ def test_limits_are_validated_and_set_from_the_command_line():
     its defaults."""
     import argparse
 
-    from mii_async import cli
+    from mii_async import cli_http
     from mii_async.config import HttpConfig
     from mii_async.errors import InvalidParameterError
 
@@ -325,12 +325,12 @@ def test_limits_are_validated_and_set_from_the_command_line():
             HttpConfig(**{field: bad})
         assert err.value.param == field
     p = argparse.ArgumentParser()
-    cli._http_args(p)
-    cfg = json.loads(cli._gateway_config(p.parse_args(["--header-timeout", "2.5", "--max-connections-per-ip", "7",
+    cli_http.add_http_args(p)
+    cfg = json.loads(cli_http.gateway_config(p.parse_args(["--header-timeout", "2.5", "--max-connections-per-ip", "7",
                                                        "--ws-idle-timeout", "60"])))
     http = HttpConfig(**cfg)
     assert (http.header_timeout_s, http.max_connections_per_ip, http.ws_idle_timeout_s) == (2.5, 7, 60.0)
     assert (http.max_connections, http.max_websockets) == (HttpConfig.max_connections, HttpConfig.max_websockets)
     with pytest.raises(InvalidParameterError) as err:
-        cli._gateway_config(p.parse_args(["--max-websockets", "0"]))
+        cli_http.gateway_config(p.parse_args(["--max-websockets", "0"]))
     assert err.value.param == "max_websockets"
