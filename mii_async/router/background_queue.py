@@ -5,8 +5,9 @@ interactive and never waits here. A background request is encoded and admitted l
 refused at once), then held in (priority, arrival) order. A replica takes the head of the queue only while:
 
 - it has fewer background requests in flight than its bound (`max_background_per_replica`; by default
-  default_bound's), so that most of each step's sequences stay free for interactive requests, and a burst of
-  them is never queued in the engine behind batch lines already running there;
+  default_bound's, lower on the CPU while interactive traffic is recent), so that most of each step's sequences
+  stay free for interactive requests, and a burst of them is never queued in the engine behind batch lines
+  already running there;
 - no interactive request is being encoded in the router: it is about to be dispatched, and its prefill must not
   share its first step with the prefill of a batch line sent a moment before it;
 - the request's cost (prompt + max_new_tokens) fits `max_queued_tokens` beside the dispatched requests', so
@@ -19,6 +20,7 @@ request that ends (aborted, its client gone) leaves the queue at once. No socket
 from __future__ import annotations
 
 import heapq
+import time
 from typing import NamedTuple
 
 from ..config import SchedulerConfig
@@ -39,15 +41,20 @@ def is_background(params: SamplingParams) -> bool:
     return params.priority > 0
 
 
-def default_bound(max_num_seqs: int, device_type: str) -> int:
+INTERACTIVE_RECENT_S = 30.0    # seconds: a chat user reads and types between requests
+
+
+def default_bound(max_num_seqs: int, device_type: str, interactive: bool = False) -> int:
     """On a GPU, a quarter of a replica's running slots: a decode step reads the weights once for the whole
     batch, so its time hardly grows with the sequences in it, and background work fills the batch while three
-    quarters of it stay free for interactive requests. On the CPU, 2: there every running sequence lengthens
-    every step, and an interactive request's first token waits for one step and comes out of the next
-    (benchmarks/jobs_latency.py: 8 batch lines in flight doubled the interactive TTFT of SmolLM2-135M on 2
-    cores, 2 kept it near 1.5x). At least 2 anywhere, so that one background request can prefill while another
-    decodes."""
-    return max(2, max_num_seqs // 4) if device_type == "cuda" else 2
+    quarters of it stay free for interactive requests. At least 2, so that one background request can prefill
+    while another decodes.
+    On the CPU every running sequence lengthens every step, and an interactive request's first token waits for
+    the step in progress: 2, and 1 while interactive traffic is recent (benchmarks/jobs_latency.py, SmolLM2-135M
+    int4 on 2 cores: interactive TTFT p50 1.5x its idle figure with 2 lines in flight, 1.3x with 1, 2x with 8)."""
+    if device_type == "cuda":
+        return max(2, max_num_seqs // 4)
+    return 1 if interactive else 2
 
 
 class BackgroundQueue:
@@ -66,6 +73,7 @@ class BackgroundQueue:
         self._replica_of: dict[int, int] = {}            # background rid in flight → its replica index
         self._bounds: dict[tuple[int, int], int] = {}    # (replica index, generation) → its bound
         self.interactive_encoding: set[int] = set()      # rids of interactive requests not yet encoded
+        self.last_interactive = float("-inf")            # time.monotonic() of the last interactive arrival
         self.peak: dict[int, int] = {}                   # replica index → most background requests in flight
         self.dispatched = 0                              # background requests sent to a replica, in all
 
@@ -78,6 +86,7 @@ class BackgroundQueue:
         """A request was opened; an interactive one holds background work back until it is encoded."""
         if not is_background(params):
             self.interactive_encoding.add(rid)
+            self.last_interactive = time.monotonic()
 
     def encoded(self, rid: int) -> None:
         """A request's prompt is encoded: it is dispatched (interactive) or held (background) right after."""
@@ -117,7 +126,7 @@ class BackgroundQueue:
         or the head's cost over `max_queued_tokens` beside the `queued_tokens` dispatched)."""
         if not self._held or self.interactive_encoding:
             return None
-        room = [r for r in ready if len(self._in_flight.get(r.index, ())) < self.bound(r)]
+        room = [r for r in ready if len(self._in_flight.get(r.index, ())) < self.bound(r, self.interactive_recent())]
         if not room:
             return None
         while self._heap[0][1] not in self._held:        # an ended request's entry
@@ -133,8 +142,13 @@ class BackgroundQueue:
         """The held requests, in the order they will be dispatched."""
         return sorted(self._held.values())
 
-    def bound(self, rep: Replica) -> int:
-        """Background requests `rep` may have in flight."""
+    def interactive_recent(self) -> bool:
+        """Whether an interactive request arrived within the last INTERACTIVE_RECENT_S."""
+        return time.monotonic() - self.last_interactive < INTERACTIVE_RECENT_S
+
+    def bound(self, rep: Replica, interactive: bool = False) -> int:
+        """Background requests `rep` may have in flight (while interactive traffic is recent, where
+        `interactive`). A bound that drops leaves the requests already in flight to finish."""
         if self.max_per_replica is not None:
             return self.max_per_replica
         key = (rep.index, rep.generation)
@@ -144,12 +158,15 @@ class BackgroundQueue:
             seqs = info.get("max_num_seqs")
             if isinstance(seqs, bool) or not isinstance(seqs, int) or seqs < 1:
                 seqs = self.scheduler.resolved(device_type).max_num_seqs
-            self._bounds[key] = default_bound(seqs, device_type)
-        return self._bounds[key]
+            self._bounds[key] = (default_bound(seqs, device_type), default_bound(seqs, device_type, True))
+        return self._bounds[key][interactive]
 
     def stats(self, replicas: list[Replica]) -> dict:
-        """Held and in-flight counts, and per replica (of `replicas`) its in-flight count, bound and peak."""
+        """Held and in-flight counts, and per replica (of `replicas`) its in-flight count, bound (as it stands
+        now) and peak."""
+        recent = self.interactive_recent()
         return {"held": len(self._held), "in_flight": len(self._replica_of), "dispatched": self.dispatched,
-                "interactive_encoding": len(self.interactive_encoding),
-                "replicas": {str(r.index): {"in_flight": len(self._in_flight.get(r.index, ())), "bound": self.bound(r),
+                "interactive_encoding": len(self.interactive_encoding), "interactive_recent": recent,
+                "replicas": {str(r.index): {"in_flight": len(self._in_flight.get(r.index, ())),
+                                            "bound": self.bound(r, recent),
                                             "peak": self.peak.get(r.index, 0)} for r in replicas}}

@@ -48,7 +48,7 @@ def test_background_past_the_bound_is_held_and_sent_in_priority_then_arrival_ord
     assert order == [rid["c"], rid["d"], rid["x"]]
     rep = h.replicas.replicas[0]
     assert h.core.background.stats([rep]) == {"held": 0, "in_flight": 1, "dispatched": 5, "interactive_encoding": 0,
-                                              "replicas": {"0": {"in_flight": 1, "bound": 2, "peak": 2}}}
+                                              "interactive_recent": False, "replicas": {"0": {"in_flight": 1, "bound": 2, "peak": 2}}}
 
 
 def test_an_interactive_request_goes_at_once_ahead_of_held_background_work(tokenizer):
@@ -188,16 +188,16 @@ def test_a_dead_replicas_background_slots_go_to_the_survivor(tokenizer):
     assert [(s.peer, s.msg.req_id) for s in h.sends() if isinstance(s, ToReplica)] == [(b"w1", h.rid("b2"))]
 
 
-def test_the_default_bound_is_a_quarter_of_the_running_slots_on_a_gpu_and_2_on_the_cpu(tokenizer):
+def test_the_default_bound_is_a_quarter_of_the_running_slots_on_a_gpu_and_2_or_1_on_the_cpu(tokenizer):
     """None: on a GPU max(2, max_num_seqs // 4), from what the replica reported, else the scheduler's for the
-    device; on the CPU 2."""
+    device; on the CPU 2, and 1 while interactive traffic is recent."""
     h = _harness(tokenizer, bound=None)
     rep = h.replicas.replicas[0]
     q = h.core.background
-    assert q.bound(rep) == 2                                  # the CPU
+    assert (q.bound(rep), q.bound(rep, True)) == (2, 1)      # the CPU
     rep.generation = 1
     rep.workers[0].info["device"] = "cuda:0"
-    assert q.bound(rep) == 64                                 # a GPU: 256 running sequences
+    assert (q.bound(rep), q.bound(rep, True)) == (64, 64)    # a GPU: 256 running sequences
     rep.generation = 2
     rep.workers[0].info["max_num_seqs"] = 5
     assert q.bound(rep) == 2
@@ -205,6 +205,27 @@ def test_the_default_bound_is_a_quarter_of_the_running_slots_on_a_gpu_and_2_on_t
     q.scheduler = SchedulerConfig(max_num_seqs=40)
     del rep.workers[0].info["max_num_seqs"]
     assert q.bound(rep) == 10
+
+
+def test_recent_interactive_traffic_lowers_the_cpu_bound(tokenizer):
+    """With no interactive request yet, two batch lines go to the CPU replica; once one has arrived (and been
+    answered), a finished line is replaced only while fewer than one are in flight: none is sent until the
+    other finishes too. The health figures say so."""
+    h = _harness(tokenizer, bound=None)
+    q = h.core.background
+    assert not q.interactive_recent()
+    for i in range(4):
+        h.submit(f"b{i}", priority=1)
+    assert _added(h.sends()) == [h.rid("b0"), h.rid("b1")]
+    h.submit("chat")
+    assert _added(h.sends()) == [h.rid("chat")]
+    _finish(h, "chat")
+    assert q.interactive_recent()
+    assert q.stats(list(h.replicas.replicas.values()))["replicas"]["0"]["bound"] == 1
+    _finish(h, "b0")
+    assert _added(h.sends()) == []
+    _finish(h, "b1")
+    assert _added(h.sends()) == [h.rid("b2")]
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "4"])

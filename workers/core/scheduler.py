@@ -86,16 +86,20 @@ class Scheduler:
         sequence, the newest running sequence is preempted (blocks freed, requeued for recompute) until the
         older one fits; the newest itself takes what fits, or waits. Waiting sequences only take free blocks, and
         leave `watermark_blocks` of them while others run, so admission never evicts running work; a step that
-        preempts admits none.
+        preempts admits none. Where a prompt of a better priority than some running sequence's is due (a chat
+        beside a batch's lines), the step carries only work of that priority or better.
         """
         budget = self.config.max_batch_tokens
         bm, bs = self.bm, self.bm.block_size
         decodes: list[Sequence] = []
         needs: list[int] = []                          # new blocks each decode needs (0 or 1)
         prefills: list[Sequence] = []
+        worst = None                                   # the largest priority number among running sequences
         for s in self.running:
             total = len(s.prompt_ids) + len(s.output_ids)
             left = total - s.num_computed_tokens
+            if worst is None or s.params.priority > worst:
+                worst = s.params.priority
             if left == 1:
                 if s.num_pending and total >= s.max_tokens:
                     continue                           # its pending token is its last: it ends when read
@@ -103,6 +107,15 @@ class Scheduler:
                 needs.append(max(0, -(-(s.num_computed_tokens + 1) // bs) - len(s.block_table)))
             elif left > 1:
                 prefills.append(s)
+        cap = None                                     # with a prompt of a better priority due: that priority
+        if worst is not None and (lead := self._lead_prompt(prefills)) is not None and lead < worst:
+            cap = lead
+            # A prompt of a better priority is due: this step is its alone, with the decodes and prompt chunks
+            # of that priority or better (background work waits one step instead of lengthening the step the
+            # interactive request's first token waits for).
+            kept = [i for i, s in enumerate(decodes) if s.params.priority <= lead]
+            decodes, needs = [decodes[i] for i in kept], [needs[i] for i in kept]
+            prefills = [s for s in prefills if s.params.priority <= lead]
         if decodes and (cap := self.config.max_mixed_batch_tokens):
             # A step with decodes sets every running stream's inter-token gap: the prompt chunks beside them
             # stop at the mixed budget; the decodes themselves are never held back by it.
@@ -160,6 +173,8 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending:
                 break                           # preempted with a token in flight: next step, once it is read
+            if cap is not None and seq.params.priority > cap:
+                break
             if matched := not seq.block_table:
                 bm.match_prefix(seq)
             room = bm.max_appendable(seq) - (self.watermark_blocks * bs if self.running else 0)
@@ -184,6 +199,17 @@ class Scheduler:
             self._align(chosen, m)
         self.num_preemptions += preempted
         return self._plan(list(chosen.values()), preempted)
+
+    def _lead_prompt(self, prefills: list[Sequence]) -> int | None:
+        """The best priority among prompts due now: running sequences with prompt tokens left, and the head of
+        the waiting queue where it could be admitted this step (a free sequence slot, free blocks beyond the
+        admission watermark); None when there is none."""
+        lead = min((s.params.priority for s in prefills), default=None)
+        if (self.waiting and len(self.running) < self.config.max_num_seqs and not self.waiting[0].num_pending
+                and self.bm.num_free > self.watermark_blocks):
+            head = self.waiting[0].params.priority
+            lead = head if lead is None else min(lead, head)
+        return lead
 
     def _align(self, chosen: dict[int, tuple[Sequence, int]], m: int) -> None:
         """Cuts the step to a multiple of `m` tokens: the newest prompt chunk that keeps at least 2 tokens gives
