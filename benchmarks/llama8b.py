@@ -1,24 +1,33 @@
-"""The engine on a Llama-3-8B-shape model with random bf16 weights, on one GPU, beside transformers `generate`
-on the very same weights, in one run (the single-GPU figures of docs/benchmarks.md).
+"""The engine on a real-size model with random bf16 weights (Llama-3-8B's shape unless --shape names another:
+benchmarks/model_shapes.py), on one GPU, beside transformers `generate` on the very same weights, in one run (the
+single-GPU figures of docs/benchmarks.md and docs/models.md).
 
-    python -m benchmarks.llama8b [--only parity,bs1,offline,mixed,profile] [--json results.json]
+    python -m benchmarks.llama8b [--shape llama3-8b|qwen3-8b|gemma2-9b|gemma3-12b|phi4-mini|qwen3-30b-a3b]
+        [--only parity,bs1,offline,mixed,profile] [--json results.json] [--hf-batches 64,256]
         [--mixed-budgets 1024,1536,2048] [--step-token-multiples 0,64,128] [--mma-warps 2,4]
         [--mixed-num-seqs 256,320] [--piecewise 1,0] [--decode-grids kv_heads,sequences] [--repeat 2]
         [--gpu-memory-utilization 0.6] [--quantization fp8]
 
-parity   last-position prefill logits (4 prompts) and one decode step against transformers' forward; greedy
-         agreement over 64 tokens for 32 prompts of 128 tokens
+parity   last-position prefill logits (4 prompts) and one decode step against transformers' forward in fp32
+         (bf16 for a mixture of experts, whose fp32 copy would not fit), beside transformers' own bf16 against it;
+         greedy agreement over 64 tokens for 32 prompts of 128 tokens (benchmarks/hf_baseline.py)
 bs1      batch-1 decode after a 128-token prompt: ms per step with CUDA graphs, eager, and HF generate
-offline  1,024 requests of 128 in / 128 out, all at once: output tokens/s (HF: 256 of them in one batch)
+offline  1,024 requests of 128 in / 128 out, all at once: output tokens/s (HF: the first --hf-batches of them in
+         one batch, each size once; its best is the baseline)
 mixed    1,000 requests, inputs uniform in [64, 1024], outputs in [64, 512], all at once: tokens/s, TTFT, ITL
 profile  where the GPU time of a step goes (GEMMs, attention, norms, sampling, …) for decode and mixed steps,
          and, with graphs, a step's host parts beside its graph's GPU time
 
---quantization fp8 quantizes the same bf16 weights at load (docs/quantization.md); transformers' baselines stay
-bf16, and the batch-1 floor is then the bytes our model holds (FP8 projections, bf16 embedding row and LM head).
+transformers' side runs first; for a mixture of experts its weights then move to the host and our engine loads
+them from there (both copies of a 30B model would not fit an 80 GB card).
 
-Floors: weight bytes / copy bandwidth per decode step; FLOPs / bf16 matmul rate; both measured on the card at
-hand before the engine is built (ceilings.py; the H200 of ../shared/device/README.md: 4.25 TB/s, 782 TFLOP/s).
+--quantization fp8 quantizes the same bf16 weights at load (docs/quantization.md); transformers' baselines stay
+bf16, the parity check adds transformers in fp32 over the FP8-rounded projections, and the batch-1 floor is
+then the bytes our model holds (FP8 projections, bf16 embedding row and LM head).
+
+Floors (benchmarks/model_shapes.py): the bytes a batch-1 step reads (each weight a token multiplies, once) /
+copy bandwidth; FLOPs (two per such weight a token) / bf16 matmul rate; both rates measured on the card at hand
+before the engine is built (ceilings.py; the H200 of ../shared/device/README.md: 4.25 TB/s, 782 TFLOP/s).
 """
 from __future__ import annotations
 
@@ -38,49 +47,46 @@ from .engine_drain import drain
 from .kernel_variants import recapture, variant_config
 from .mixed_load import mixed, mixed_sweep
 from .step_profile import graph_steps, profile
+from .hf_baseline import hf_bs1, hf_offline, parity_references
+from .model_shapes import LLAMA3_8B, SHAPES, build_hf, checkpoint_tensors, step_bytes, token_flops
 from .token_prompts import prompts
 
 BANDWIDTH, FLOPS = 4.25e12, 782e12      # the H200's (../shared/device/README.md); main() sets the card's own
-SHAPE = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
-             rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False)
+SHAPE = LLAMA3_8B
 
 
-def build(seed: int = 0, kernels: str = "auto", gpu_memory_utilization: float = 0.6, **engine_kwargs):
-    """transformers' model with random weights on the GPU, and our engine over the same tensors."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+def build_engine(config, weights: dict[str, torch.Tensor], kernels: str = "auto",
+                 gpu_memory_utilization: float = 0.6, **engine_kwargs):
+    """Our engine over `weights` (a checkpoint's names → tensors; those already on the GPU in bf16 are used as
+    they are) and transformers' config of them."""
     from mii_async.config import EngineConfig
     from mii_async.workers.engine import Engine
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(**SHAPE, initializer_range=0.02)
-    # Built in bf16 the way from_pretrained builds it: `.to(torch.bfloat16)` after the fact would also round
-    # the rotary inv_freq buffer to bf16, and every position's angle with it.
-    with torch.device("cuda"):
-        hf = LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16).eval()
-    d = tempfile.mkdtemp(prefix="mii-8b-")
-    cfg.save_pretrained(d)
+    d = tempfile.mkdtemp(prefix="mii-shape-")
+    config.save_pretrained(d)
     t0 = time.perf_counter()
-    # 60% by default: on the H200 the KV pool still holds every benchmark's working set, and the parity check
-    # has room for an fp32 copy of transformers' model as its reference. (On an 80 GB card the mixed load
-    # fills that pool: --gpu-memory-utilization 0.9 for a mixed-only run.)
+    # 60% by default: on the H200 the KV pool still holds every benchmark's working set. (On an 80 GB card the
+    # mixed load fills that pool: --gpu-memory-utilization 0.9 for a mixed-only run.)
     engine = Engine(EngineConfig.from_kwargs(d, dtype="bfloat16", device="cuda",
                                             gpu_memory_utilization=gpu_memory_utilization,
-                                            kernels=kernels, **engine_kwargs),
-                    weights={k: v for k, v in hf.state_dict().items()})
+                                            kernels=kernels, **engine_kwargs), weights=weights)
     print(f"engine ready in {time.perf_counter() - t0:.1f} s; {engine.memory_plan.describe() if engine.memory_plan else ''}",
           flush=True)
-    return hf, engine
+    return engine
 
 
-def weight_bytes(hf) -> int:
-    return sum(p.numel() * p.element_size() for p in hf.parameters())
+def build(shape: str = "llama3-8b", seed: int = 0, kernels: str = "auto", gpu_memory_utilization: float = 0.6,
+          **engine_kwargs):
+    """transformers' model of `shape` with random weights on the GPU, and our engine over the same tensors."""
+    cfg, hf = build_hf(shape, seed)
+    return hf, build_engine(cfg, checkpoint_tensors(hf), kernels, gpu_memory_utilization,
+                            **{**SHAPES[shape].engine, **engine_kwargs})
 
 
-def model_bytes(model) -> int:
+def model_bytes(model, embed_bytes: int) -> int:
     """Bytes a decode step reads from our model: every tensor it holds (each storage once, walking its
-    attributes, lists and dicts), less the embedding table beyond the one row a token reads."""
+    attributes, lists and dicts), less the embedding table (`embed_bytes`; 0 where it is tied to the LM head)
+    beyond the one row a token reads."""
     seen: dict[int, int] = {}
     stack, visited = [model], set()
     while stack:
@@ -99,75 +105,63 @@ def model_bytes(model) -> int:
             stack.extend(vars(obj).values())
         elif hasattr(obj, "__slots__"):
             stack.extend(getattr(obj, n) for n in obj.__slots__ if hasattr(obj, n))
-    total = sum(seen.values())
-    embed = SHAPE["vocab_size"] * SHAPE["hidden_size"] * 2
-    return total - embed if not SHAPE["tie_word_embeddings"] else total
+    return sum(seen.values()) - embed_bytes
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.linalg.norm(a.float() - b.float()) / torch.linalg.norm(b.float()))
 
 
-def parity(hf, engine) -> dict:
-    """Logits against transformers' forward on the same weights, and greedy agreement. The reference is
-    transformers in fp32; transformers' own bf16 against it shows how far bf16 alone moves the numbers (random
-    32-layer models amplify rounding: near-flat logits make greedy choices fragile)."""
-    import copy
-
-    hf32 = copy.deepcopy(hf).float()
-    errs, derrs, hf_errs = [], [], []
-    for i, p in enumerate(prompts(4, 128, 128, 1)):
+def parity(engine, refs: dict) -> dict:
+    """Our logits and greedy tokens against the references hf_baseline.parity_references made: the last
+    position of each parity prompt (prefill), and the position after it once the reference's greedy token is
+    appended (a decode step, replayed from its CUDA graph); greedy agreement over 64 tokens for 32 prompts."""
+    main_ref = refs.get("fp32", refs["bf16"])
+    errs: dict[str, list[float]] = {}
+    for i, p in enumerate(refs["prompts"]):
         rid = 10_000 + i                    # the engine's own step, split to read the logits it samples from
         engine.add_request(rid, p, mii_async.SamplingParams(max_new_tokens=2, ignore_eos=True))
         seq = engine.seqs[rid]
         plan = engine.scheduler.schedule()
-        lg = engine.runner.execute(plan).clone()
+        lg = engine.runner.execute(plan)[0].float().cpu()
         engine.scheduler.commit(seq, len(plan.seqs[0].token_ids))
-        nxt = int(lg[0].argmax())
-        seq.output_ids.append(nxt)
-        plan = engine.scheduler.schedule()          # a decode step: replayed from its CUDA graph
-        lg2 = engine.runner.execute(plan).clone()
+        seq.output_ids.append(main_ref["next"][i])
+        plan = engine.scheduler.schedule()
+        lg2 = engine.runner.execute(plan)[0].float().cpu()
         engine.abort(rid)
-        ids = torch.tensor([p + [nxt]], device="cuda")
-        with torch.no_grad():
-            ref = hf32(ids).logits[0, -2:]
-            ref16 = hf(ids).logits[0, -2:]
-        errs.append(rel(lg[0], ref[0]))
-        derrs.append(rel(lg2[0], ref[1]))
-        hf_errs.append(max(rel(ref16[0], ref[0]), rel(ref16[1], ref[1])))
-    ps = prompts(32, 128, 128, 2)
+        for name, ref in refs.items():
+            if isinstance(ref, dict):
+                errs.setdefault(f"ours_vs_hf_{name}_prefill_logits_rel_err_max", []).append(rel(lg, ref["last"][i]))
+                errs.setdefault(f"ours_vs_hf_{name}_decode_logits_rel_err_max", []).append(rel(lg2, ref["after"][i]))
+        if "fp32" in refs:
+            errs.setdefault("hf_bf16_vs_hf_fp32_logits_rel_err_max", []).append(
+                max(rel(refs["bf16"]["last"][i], refs["fp32"]["last"][i]),
+                    rel(refs["bf16"]["after"][i], refs["fp32"]["after"][i])))
+    out: dict = {k: max(v) for k, v in errs.items()}
+    ps = refs["greedy_prompts"]
     got: dict[int, list[int]] = {i: [] for i in range(len(ps))}
     for i, p in enumerate(ps):
         engine.add_request(20_000 + i, p, mii_async.SamplingParams(max_new_tokens=64, ignore_eos=True))
     while engine.has_work():
         for o in engine.step():
             got[o.req_id - 20_000].append(o.token_id)
-    ids = torch.tensor(ps, device="cuda")
-
-    def greedy(m) -> list[list[int]]:
-        with torch.no_grad():
-            return m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, min_new_tokens=64,
-                              do_sample=False, pad_token_id=0)[:, 128:].tolist()
-
-    ref32, ref16 = greedy(hf32), greedy(hf)
-    del hf32
-    torch.cuda.empty_cache()
+    ours = [got[i] for i in range(len(ps))]
 
     def agree(a: list[list[int]], b: list[list[int]]) -> dict:
         first = [next((j for j, (x, y) in enumerate(zip(u, v)) if x != y), 64) for u, v in zip(a, b)]
         return {"identical_64": f"{sum(f == 64 for f in first)}/{len(a)}", "tokens_before_divergence_mean":
                 statistics.mean(first)}
 
-    ours = [got[i] for i in range(len(ps))]
-    return {"ours_bf16_vs_hf_fp32_prefill_logits_rel_err_max": max(errs),
-            "ours_bf16_vs_hf_fp32_decode_logits_rel_err_max": max(derrs),
-            "hf_bf16_vs_hf_fp32_logits_rel_err_max": max(hf_errs),
-            "greedy_ours_bf16_vs_hf_fp32": agree(ours, ref32), "greedy_hf_bf16_vs_hf_fp32": agree(ref16, ref32),
-            "greedy_ours_bf16_vs_hf_bf16": agree(ours, ref16)}
+    for name, ref in refs.items():
+        if isinstance(ref, dict):
+            out[f"greedy_ours_vs_hf_{name}"] = agree(ours, ref["greedy"])
+    if "fp32" in refs:
+        out["greedy_hf_bf16_vs_hf_fp32"] = agree(refs["bf16"]["greedy"], refs["fp32"]["greedy"])
+    return out
 
 
-def bs1(hf, engine, new: int = 128) -> dict:
-    """ms per decode step at batch 1 after a 128-token prompt: ours with graphs, ours eager, HF generate."""
+def bs1(engine, new: int = 128) -> dict:
+    """ms per decode step at batch 1 after a 128-token prompt: ours with graphs, and eager."""
     out = {}
     p = prompts(1, 128, 128, 3)[0]
     graphs, pieces = engine.runner.graphs, engine.runner.piecewise
@@ -181,43 +175,16 @@ def bs1(hf, engine, new: int = 128) -> dict:
         t = times[41_000]
         out[f"ours_{name}_ms_per_step"] = 1e3 * statistics.median(b - a for a, b in zip(t[1:], t[2:]))
     engine.runner.graphs, engine.runner.piecewise = graphs, pieces
-    ids = torch.tensor([p], device="cuda")
-    mask = torch.ones_like(ids)
-
-    def gen(n: int) -> float:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
-    gen(4)
-    out["hf_ms_per_step"] = 1e3 * (gen(new + 1) - gen(1)) / new
-    out["floor_ms_per_step"] = 1e3 * weight_bytes(hf) / BANDWIDTH
-    if engine.config.model.quantization:            # what our model reads: smaller than transformers' bf16
-        out["floor_ms_per_step"] = 1e3 * model_bytes(engine.model) / BANDWIDTH
-        out["floor_bytes"] = model_bytes(engine.model)
     return out
 
 
-def offline(hf, engine, n: int = 1024, hf_n: int = 256) -> dict:
-    """n requests of 128 in / 128 out at once: output tokens/s; HF: hf_n of them in one batch."""
+def offline(engine, n: int = 1024) -> dict:
+    """n requests of 128 in / 128 out at once: output tokens/s."""
     ps = prompts(n, 128, 128, 4)
     drain(engine, [(p, 4) for p in ps[:8]], 50_000)          # warm-up
     secs, times = drain(engine, [(p, 128) for p in ps], 51_000)
     toks = sum(len(t) for t in times.values())
-    ids = torch.tensor(ps[:hf_n], device="cuda")
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=128, min_new_tokens=128,
-                    do_sample=False, pad_token_id=0)
-    torch.cuda.synchronize()
-    hf_s = time.perf_counter() - t0
-    flops = 2 * weight_bytes(hf) / 2 * n * 256                       # 2 FLOPs per weight per token
-    return {"ours_output_tok_s": toks / secs, "ours_seconds": secs, "requests": n,
-            "hf_output_tok_s": hf_n * 128 / hf_s, "hf_batch": hf_n,
-            "floor_seconds_flops": flops / FLOPS, "floor_output_tok_s": n * 128 / (flops / FLOPS)}
+    return {"ours_output_tok_s": toks / secs, "ours_seconds": secs, "requests": n}
 
 
 def ints(arg: str | None) -> list[int]:
@@ -227,6 +194,10 @@ def ints(arg: str | None) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.llama8b")
     ap.add_argument("--only", default="parity,bs1,offline,mixed,profile")
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES),
+                    help="the model's shape (benchmarks/model_shapes.py), random bf16 weights")
+    ap.add_argument("--hf-batches", default="256",
+                    help="offline: transformers generate's batch sizes, each run once (its best is the baseline)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--quantization", default=None, help="fp8: the engine's projections in FP8, quantized at load")
     ap.add_argument("--kernels", default="auto", help="auto (the CuPy kernels) or reference (torch ops)")
@@ -281,13 +252,31 @@ def main(argv: list[str] | None = None) -> int:
     print(f"this card: copy {card['copy_tb_s']:.2f} TB/s, bf16 matmul {card['matmul_tflop_s']:.0f} TFLOP/s", flush=True)
     if a.quantization:
         sched["quantization"] = a.quantization
-    hf, engine = build(kernels=a.kernels, gpu_memory_utilization=a.gpu_memory_utilization, **sched)
+    shape = SHAPES[a.shape]
+    cfg, hf = build_hf(a.shape)
+    weights_gb = sum(p.numel() * p.element_size() for p in hf.parameters()) / 1e9
+    floor_bytes, flops_per_token = step_bytes(hf), token_flops(hf)
+    embed_bytes = 0 if cfg.tie_word_embeddings else 2 * cfg.vocab_size * cfg.hidden_size
+    # transformers first: a mixture of experts whose two copies would not fit hands its weights over after.
+    t0 = time.perf_counter()
+    refs = (parity_references(hf, fp32=not shape.moe, fp8_weights=a.quantization == "fp8")
+            if "parity" in parts else None)
+    hf_ms = hf_bs1(hf) if "bs1" in parts else None
+    hf_tok_s = hf_offline(hf, ints(a.hf_batches)) if "offline" in parts else {}
+    print(f"transformers' side ({time.perf_counter() - t0:.0f} s): bs1 {hf_ms} ms/step, offline {hf_tok_s}", flush=True)
+    weights = checkpoint_tensors(hf)
+    if shape.moe:
+        weights = {k: v.cpu() for k, v in weights.items()}
+        del hf
+        torch.cuda.empty_cache()
+    engine = build_engine(cfg, weights, a.kernels, a.gpu_memory_utilization, **{**shape.engine, **sched})
+    del weights
     # One width or grid order asked: the engine's for every part, its decode graphs captured again with it.
     recapture(engine, variant_config(engine.model.ops.config, warps[0] if len(warps) == 1 else None,
                                      grids[0] if len(grids) == 1 else None))
     results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-                     **card, "gpu_memory_utilization": a.gpu_memory_utilization,
-                     "weights_gb": weight_bytes(hf) / 1e9, "kernels": engine.kernels,
+                     "shape": a.shape, **card, "gpu_memory_utilization": a.gpu_memory_utilization,
+                     "weights_gb": weights_gb, "kernels": engine.kernels,
                      "quantization": a.quantization,
                      "graphs": bool(engine.runner.graphs), "num_blocks": engine.num_blocks,
                      "max_batch_tokens": engine.config.scheduler.max_batch_tokens,
@@ -301,8 +290,21 @@ def main(argv: list[str] | None = None) -> int:
         results["piecewise_capture_s"] = engine.runner.piecewise.capture_seconds
         results["piecewise_memory_gib"] = engine.runner.piecewise.memory / 2**30
     sched_cfg = engine.config.scheduler
-    steps = {"parity": lambda: parity(hf, engine), "bs1": lambda: bs1(hf, engine),
-             "offline": lambda: offline(hf, engine),
+    if a.quantization:                  # what our model reads: FP8 projections, the LM head in bf16
+        floor_bytes = model_bytes(engine.model, embed_bytes)
+
+    def with_floor_bs1() -> dict:
+        return {**bs1(engine), "hf_ms_per_step": hf_ms, "floor_ms_per_step": 1e3 * floor_bytes / BANDWIDTH,
+                "floor_bytes": floor_bytes}
+
+    def with_floor_offline(n: int = 1024) -> dict:
+        flops = flops_per_token * n * 256                   # 128 prompt and 128 output tokens each
+        best = max(hf_tok_s, key=hf_tok_s.get)
+        return {**offline(engine, n), "hf_output_tok_s": hf_tok_s[best], "hf_batch": best,
+                "hf_output_tok_s_by_batch": hf_tok_s, "floor_seconds_flops": flops / FLOPS,
+                "floor_output_tok_s": n * 128 / (flops / FLOPS)}
+
+    steps = {"parity": lambda: parity(engine, refs), "bs1": with_floor_bs1, "offline": with_floor_offline,
              "mixed": lambda: (mixed_sweep(engine, ints(a.mixed_budgets) or [None],
                                            ints(a.step_token_multiples) or [sched_cfg.step_token_multiple or 0],
                                            a.repeat, not a.late_tokens, warps if len(warps) > 1 else [None],

@@ -130,7 +130,9 @@ def test_families_on_cuda_fp32_match_transformers(tmp_path, family):
 def test_families_on_cuda_bf16_logits(tmp_path, family):
     """bf16 with the CUDA op set (variable-length flash within the window, the tensor-core decode kernel with
     the window and the cap, replayed from the decode graphs): the logits of the prefill's last chunk and of 8
-    decode steps after a 500-token prompt each within 3e-2 of transformers' fp32 forward over the same tokens."""
+    decode steps after a 500-token prompt, each against transformers' fp32 forward over the same tokens, within
+    3e-2 or 1.25× the error of transformers' own bf16 forward, whichever is larger (bf16 rounding alone moves
+    Phi-3's partial-rotary LongRoPE logits by ~8e-2)."""
     from ..helpers import run_engine
 
     path = _gpu_model(tmp_path, family)
@@ -151,8 +153,15 @@ def test_families_on_cuda_bf16_logits(tmp_path, family):
     prompt = prompts_for(f"{family}-bf16", [500])[0]
     out = run_engine(engine, [prompt], max_new_tokens=9, min_new_tokens=9)[0]
     assert engine.runner.graphs.replays >= 8
+    hf16 = hf_reference(path, dtype=torch.bfloat16, device="cuda")
+    ids = torch.tensor([prompt + out[:-1]], device="cuda")
     with torch.no_grad():
-        ref = hf(torch.tensor([prompt + out[:-1]], device="cuda")).logits[0, len(prompt) - 1:]   # [9, V]
+        ref = hf(ids).logits[0, len(prompt) - 1:]                         # [9, V]
+        ref16 = hf16(ids).logits[0, len(prompt) - 1:].float()
     assert len(steps) == 9
+
+    def rel(a, b):
+        return (torch.linalg.norm(a - b) / torch.linalg.norm(b)).item()
+
     for i, got in enumerate(steps):
-        assert torch.linalg.norm(got - ref[i]) / torch.linalg.norm(ref[i]) < 3e-2, i
+        assert rel(got, ref[i]) < max(3e-2, 1.25 * rel(ref16[i], ref[i])), i
