@@ -14,6 +14,7 @@ the workers and returns.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import os
 import time
@@ -100,18 +101,24 @@ class Router:
         elif world > 1:
             check_tensor_parallel(path, world)
         self.replicas.tensor_parallel = self.tensor_parallel = int(world)
-        # One instance per encoding thread and one for the loop's decoding: a fast tokenizer must not be used
-        # by two threads at once.
-        self.encoders.start([await loop.run_in_executor(self._pool, AutoTokenizer.from_pretrained, str(path))
-                             for _ in range(self.encoders.threads)])
-        self.core.tokenizer = await loop.run_in_executor(self._pool, AutoTokenizer.from_pretrained, str(path))
-        if self.state != "starting":                  # a signal arrived while loading: start nothing
+        if self.state != "starting":                  # a signal arrived while resolving: start nothing
             return
-        self._tasks = [asyncio.create_task(self._client_loop(), name="clients"),
-                       asyncio.create_task(self.worker_link.run(), name="workers"),
+        # The workers first: their start (torch's import, the weights) is the long part, and the tokenizers load
+        # meanwhile. Clients are served once the tokenizers are in place.
+        self._tasks = [asyncio.create_task(self.worker_link.run(), name="workers"),
                        asyncio.create_task(self.supervisor.run(), name="health")]
         for i in range(self.serve_cfg.replicas):
             self.replicas.start_local(i)
+        # One instance per encoding thread and one for the loop's decoding (a fast tokenizer must not be used by
+        # two threads at once): copies of one loaded instance.
+        first = await loop.run_in_executor(self._pool, AutoTokenizer.from_pretrained, str(path))
+        copies = await loop.run_in_executor(self._pool, lambda: [copy.deepcopy(first)
+                                                                 for _ in range(self.encoders.threads)])
+        if self.state != "starting":                  # shutting down already: the workers are being stopped
+            return
+        self.encoders.start(copies)
+        self.core.tokenizer = first
+        self._tasks.append(asyncio.create_task(self._client_loop(), name="clients"))
 
     async def wait_ready(self) -> None:
         """Returns once every local replica is ready or has failed; raises when none is ready."""
