@@ -2,8 +2,8 @@
 benchmarks/model_shapes.py), on one GPU, beside transformers `generate` on the very same weights, in one run (the
 single-GPU figures of docs/benchmarks.md and docs/models.md).
 
-    python -m benchmarks.llama8b [--shape llama3-8b|qwen3-8b|gemma2-9b|gemma3-12b|phi4-mini|qwen3-30b-a3b]
-        [--only parity,bs1,offline,mixed,profile] [--json results.json] [--hf-batches 64,256]
+    python -m benchmarks.llama8b [--shape llama3-8b|llama3.1-8b|qwen3-8b|gemma2-9b|gemma3-12b|phi4-mini|
+        qwen3-30b-a3b] [--only parity,bs1,offline,mixed,profile,long,long1,longparity] [--json results.json] [--hf-batches 64,256]
         [--mixed-budgets 1024,1536,2048] [--step-token-multiples 0,64,128] [--mma-warps 2,4]
         [--mixed-num-seqs 256,320] [--piecewise 1,0] [--decode-grids kv_heads,sequences] [--repeat 2]
         [--gpu-memory-utilization 0.6] [--quantization fp8]
@@ -15,6 +15,10 @@ bs1      batch-1 decode after a 128-token prompt: ms per step with CUDA graphs, 
 offline  1,024 requests of 128 in / 128 out, all at once: output tokens/s (HF: the first --hf-batches of them in
          one batch, each size once; its best is the baseline)
 mixed    1,000 requests, inputs uniform in [64, 1024], outputs in [64, 512], all at once: tokens/s, TTFT, ITL
+long     64 requests of 4,000–7,900 prompt tokens / 256 out, all at once: total tokens/s against the FLOP floor,
+         TTFT and ITL (benchmarks/long_prompts.py; --shape llama3.1-8b serves 32k contexts)
+long1    one 32,000-token prompt: TTFT against its FLOP floor, decode at that context against decode at 128
+longparity  greedy tokens and last-position logits against transformers at 8k and 32k prompt tokens
 profile  where the GPU time of a step goes (GEMMs, attention, norms, sampling, …) for decode and mixed steps,
          and, with graphs, a step's host parts beside its graph's GPU time
 
@@ -48,6 +52,7 @@ from .kernel_variants import recapture, variant_config
 from .mixed_load import mixed, mixed_sweep
 from .step_profile import graph_steps, profile
 from .hf_baseline import hf_bs1, hf_offline, parity_references
+from .long_prompts import long_load, long_one, long_parity
 from .model_shapes import LLAMA3_8B, SHAPES, build_hf, checkpoint_tensors, step_bytes, token_flops
 from .token_prompts import prompts
 
@@ -305,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
                 "floor_output_tok_s": n * 128 / (flops / FLOPS)}
 
     steps = {"parity": lambda: parity(engine, refs), "bs1": with_floor_bs1, "offline": with_floor_offline,
+             "long": lambda: long_load(engine, cfg, flops_per_token, FLOPS),
+             "long1": lambda: long_one(engine, cfg, flops_per_token, FLOPS),
+             "longparity": lambda: long_parity(engine, hf),
              "mixed": lambda: (mixed_sweep(engine, ints(a.mixed_budgets) or [None],
                                            ints(a.step_token_multiples) or [sched_cfg.step_token_multiple or 0],
                                            a.repeat, not a.late_tokens, warps if len(warps) > 1 else [None],

@@ -2,6 +2,8 @@
 and model class of each, with random weights, and what a step of each must read and compute — the floors.
 
     llama3-8b       Llama-3-8B (the default)
+    llama3.1-8b     Llama-3.1-8B: the same weights' shape, llama3 rope scaling to 131,072 positions; served with a
+                    32,768-token context (the long-prompt loads)
     qwen3-8b        Qwen3-8B: q/k norms, no qkv bias
     gemma2-9b       Gemma-2-9B: (1 + w) norms before and after each block, GeGLU, 4,096-token windows on every
                     other layer, attention and final soft-caps, tied embeddings
@@ -46,6 +48,11 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n
 
 SHAPES: dict[str, Shape] = {
     "llama3-8b": Shape("LlamaConfig", "LlamaForCausalLM", LLAMA3_8B),
+    "llama3.1-8b": Shape("LlamaConfig", "LlamaForCausalLM", {
+        **LLAMA3_8B, "max_position_embeddings": 131072,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+        engine={"max_model_len": 32768}),
     "qwen3-8b": Shape("Qwen3Config", "Qwen3ForCausalLM", dict(
         vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
