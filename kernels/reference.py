@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import cpu_decode_attention
+from . import capped_prefill, cpu_decode_attention
 from .fp8_weight import FP8Weight
 from .int_weight import Int4Weight, Int8Weight
 from .metadata import AttentionMetadata
@@ -222,7 +222,11 @@ def _padded_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                       scale: float, out: torch.Tensor, window: int | None = None,
                       softcap: float | None = None) -> None:
-    """The prompt-chunk part of paged_attention: rows from num_decodes on, written into `out` [T, Hq, D]."""
+    """The prompt-chunk part of paged_attention: rows from num_decodes on, written into `out` [T, Hq, D].
+    Soft-capped chunks are batched where that pays (capped_prefill.py), else each sequence is attended alone."""
+    if softcap is not None and capped_prefill.worth_batching(meta):
+        capped_prefill.capped_prefill(q, k_cache, v_cache, meta, scale, out, window, softcap, _attend)
+        return
     bs = k_cache.shape[1]
     start = meta.num_decodes
     for s in range(meta.num_decodes, len(meta.query_lens)):

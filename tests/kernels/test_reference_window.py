@@ -68,6 +68,30 @@ def test_paged_attention_window_and_softcap_match_transformers_masking(window, s
         assert not torch.allclose(dense[1], out[1])
 
 
+@pytest.mark.parametrize("window", [None, 6, 25])
+@pytest.mark.parametrize("bs", [1, 16])
+def test_soft_capped_prompt_chunks_batched_match_transformers_masking(window, bs):
+    """Prompt chunks of like lengths beside decodes, soft-capped: attended as one padded batch
+    (capped_prefill.py), equal to dense attention with transformers' mask and cap for every row; one chunk that
+    would pad too much sends the step back to the per-sequence loop, with the same results."""
+    from mii_async.kernels import capped_prefill
+
+    hq, hkv, d = 8, 2, 16
+    for specs, batched in (([(1, 9), (1, 33), (16, 16), (12, 12), (16, 40), (10, 30)], True),
+                           ([(1, 9), (16, 16), (2, 300)], False)):
+        q, kc, vc, meta, tables = _setup(specs, hq, hkv, d, bs, seed=len(specs) + bs)
+        assert capped_prefill.worth_batching(meta) is batched
+        out = ops.paged_attention(q, kc, vc, meta, d ** -0.5, window=window, softcap=2.0)
+        start = 0
+        for (qlen, clen), blocks in zip(specs, tables):
+            k = kc[blocks].flatten(0, 1)[:clen]
+            v = vc[blocks].flatten(0, 1)[:clen]
+            ref = _oracle(q[start:start + qlen], k, v, qlen, clen, d ** -0.5, window, 2.0)
+            got = out[start:start + qlen]
+            assert torch.linalg.norm(got - ref) / torch.linalg.norm(ref) < 1e-5, (qlen, clen)
+            start += qlen
+
+
 def test_softcap_changes_large_scores_only():
     """A cap far above every score leaves attention as it is; a small one changes it."""
     q, kc, vc, meta, _ = _setup([(1, 30), (12, 40)], 4, 4, 16, 4, seed=1)
