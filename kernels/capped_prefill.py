@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .kv_store import select_blocks
 from .metadata import AttentionMetadata
 
 PADDING_LIMIT = 2.0     # padded scores over the chunks' own, beyond which the batch is not worth it
@@ -42,10 +43,9 @@ def capped_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     rows_t = torch.tensor(rows, device=q.device)
     qp = q.new_zeros(s * lmax, hq, d).index_copy_(0, rows_t, q[start:start + len(rows)])
     tables = meta.block_tables[first:n, :nb]
-    cache_n = k_cache.shape[0]
 
     def gather(cache: torch.Tensor) -> torch.Tensor:            # [S, Hkv, nb·bs, D]
-        blocks = torch.index_select(cache.view(cache_n, -1), 0, tables.reshape(-1))
+        blocks = select_blocks(cache, tables.reshape(-1))
         return blocks.view(s, nb * bs, *cache.shape[2:]).transpose(1, 2).to(q.dtype)
 
     keys, vals = gather(k_cache), gather(v_cache)

@@ -34,6 +34,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .kv_store import select_blocks
+
 MIN_RUN = 2         # blocks: a shorter run of consecutive block ids is copied with the step's other short runs
 SHORT_KEYS = 256    # keys: a row in several runs with at most these many attends in the step's gathered group
 
@@ -136,8 +138,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # The caches as key-major [slots, Hkv, D], in place; short runs copied once for every row.
     keys, vals = k_cache.view(n * bs, hkv, d), v_cache.view(n * bs, hkv, d)
     if plan.copy_blocks is not None:
-        copy_k = torch.index_select(k_cache.view(n, -1), 0, plan.copy_blocks).view(-1, hkv, d)
-        copy_v = torch.index_select(v_cache.view(n, -1), 0, plan.copy_blocks).view(-1, hkv, d)
+        copy_k = select_blocks(k_cache, plan.copy_blocks).view(-1, hkv, d)
+        copy_v = select_blocks(v_cache, plan.copy_blocks).view(-1, hkv, d)
     else:
         copy_k = copy_v = keys
     direct = out.dtype == torch.float32 and out[:nd].is_contiguous()
@@ -210,8 +212,8 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     rows = group.rows.numel()
     length = group.bias.shape[-1]
     g = q.shape[1] // hkv
-    keys = torch.index_select(k_cache.view(n, -1), 0, group.blocks).view(rows, length, hkv, d)
-    vals = torch.index_select(v_cache.view(n, -1), 0, group.blocks).view(rows, length, hkv, d)
+    keys = select_blocks(k_cache, group.blocks).view(rows, length, hkv, d)
+    vals = select_blocks(v_cache, group.blocks).view(rows, length, hkv, d)
     if softcap is None:
         qg = q.index_select(0, group.rows).unsqueeze(2)                                  # [rows, Hq, 1, D]
         o = F.scaled_dot_product_attention(qg, keys.transpose(1, 2).to(q.dtype), vals.transpose(1, 2).to(q.dtype),

@@ -107,8 +107,9 @@ def _serve(a: argparse.Namespace) -> int:
         worker_port=a.worker_port, max_queued_requests=a.max_queued_requests, drain_timeout_s=a.drain_timeout,
         curve_dir=a.curve_dir, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
         quantization=a.quantization,
-        **{k: v for k in ("threads", "kv_cache_memory", "gpu_memory_utilization", "max_batch_tokens", "max_mixed_batch_tokens",
-                          "max_num_seqs", "step_token_multiple") if (v := getattr(a, k)) is not None},
+        **{k: v for k in ("threads", "kv_cache_memory", "kv_cache_dtype", "gpu_memory_utilization",
+                          "max_batch_tokens", "max_mixed_batch_tokens", "max_num_seqs", "step_token_multiple")
+           if (v := getattr(a, k)) is not None},
         **({"cuda_graphs": False} if a.enforce_eager else {})))
     http = None
     if not a.no_http:
@@ -256,6 +257,9 @@ def _serve_parser(sub: Any) -> None:
     s.add_argument("--threads", type=int, default=None,
                    help="CPU: each worker's torch threads (default: the CPUs it may run on, shared among its ranks)")
     s.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for each replica's KV pool (CPU)")
+    s.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8"],
+                   help="fp8: K and V cached as e4m3, twice the tokens in the same memory (the reference ops; "
+                        "docs/quantization.md)")
     s.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="GPU: the share of the device a replica may use (default 0.9)")
     s.add_argument("--max-batch-tokens", type=int, default=None,

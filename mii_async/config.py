@@ -69,8 +69,13 @@ class CacheConfig:
     kv_cache_memory: float | None = None  # GiB for the KV pool; None: 0.5 on CPU, the memory plan on a GPU
     gpu_memory_utilization: float = 0.9   # GPU: the share of the device's memory this replica may use in all
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"          # "auto": the model's dtype; "fp8": e4m3 (half of bf16's bytes)
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype == "fp8_e4m3":               # vLLM's other name for it
+            object.__setattr__(self, "kv_cache_dtype", "fp8")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise InvalidParameterError("kv_cache_dtype", f"must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         _pos_int(self, "block_size")
         if self.block_size & (self.block_size - 1):
             raise InvalidParameterError("block_size", f"must be a power of two, got {self.block_size}")

@@ -20,6 +20,7 @@ from mii_async.config import EngineConfig, SchedulerConfig
 from mii_async.errors import InvalidParameterError
 from mii_async.kernels import get_ops, resolve_backend
 from mii_async.kernels.config import KernelConfig
+from mii_async.kernels.kv_store import kv_dtype
 from mii_async.model_source import resolve_model
 
 from .core.block_manager import BlockManager
@@ -95,6 +96,10 @@ def build(config: EngineConfig, model_path: Path | None = None, tp: TPGroup | No
         kernel_config = KernelConfig.from_env(os.environ)   # $MII_ASYNC_DECODE, _DECODE_GRID, _PDL: read once, here
     except ValueError as exc:
         raise InvalidParameterError("kernels", str(exc)) from None
+    kv_dt = kv_dtype(config.cache.kv_cache_dtype, dtype)
+    if kv_dt != dtype and kernels == "cuda":       # before any weight is read
+        raise InvalidParameterError("kv_cache_dtype", "an fp8 KV cache runs with kernels='reference' for now: the "
+                                    "CUDA attention kernels read K/V in the model's dtype")
     reader = TensorReader(weights) if weights is not None else WeightReader(model_path)
     model = model_class(spec).load(spec, reader, dtype, device, max_model_len, get_ops(kernels, kernel_config), tp,
                                    quant=load_quantization(model_path, quantization))
@@ -106,21 +111,21 @@ def build(config: EngineConfig, model_path: Path | None = None, tp: TPGroup | No
     sampler = Sampler(spec.vocab_size, spec.eos_token_ids, device)
     graph_plan = _graph_plan(config, device, max_model_len, tp)
     memory_plan = None
-    per_block = kv_cache.bytes_per_block(kv_spec, cc.block_size, dtype)
+    per_block = kv_cache.bytes_per_block(kv_spec, cc.block_size, kv_dt)
     if cc.num_blocks:
         num_blocks = cc.num_blocks
     elif device.type != "cuda" or cc.kv_cache_memory is not None:
         num_blocks = int((cc.kv_cache_memory or cc.CPU_KV_GIB) * 2**30 // per_block)
     else:
         reserve = graph_plan.reserve(model) if graph_plan is not None else 0
-        memory_plan = _plan_memory(config, model, sampler, kv_spec, per_block, dtype, device, max_model_len,
+        memory_plan = _plan_memory(config, model, sampler, kv_spec, per_block, kv_dt, device, max_model_len,
                                    reserve)
         num_blocks = memory_plan.num_blocks
     num_blocks = max(1, num_blocks) if tp is None else tp.min_int(max(1, num_blocks))   # same ids on all ranks
     if tp is None or tp.rank == 0:
         warn_limits(mc.max_model_len, limit, max_model_len, num_blocks * cc.block_size)
     # With graphs, one more block than the block manager knows: the scratch block of padded rows.
-    kv = kv_cache.allocate(kv_spec, num_blocks + int(graph_plan is not None), cc.block_size, dtype, device)
+    kv = kv_cache.allocate(kv_spec, num_blocks + int(graph_plan is not None), cc.block_size, kv_dt, device)
     block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
     scheduler = Scheduler(sched, block_manager)
     runner = Runner(model, kv, cc.block_size, device)
@@ -151,7 +156,8 @@ def _graph_plan(config: EngineConfig, device: torch.device, max_model_len: int, 
 def _plan_memory(config: EngineConfig, model: DecoderModel, sampler: Sampler, kv_spec: ModelSpec, per_block: int,
                  dtype: torch.dtype, device: torch.device, max_model_len: int, reserve: int) -> MemoryPlan:
     """The KV pool's share of the device: what is left of gpu_memory_utilization after the weights, one
-    profiled step of max_batch_tokens and `reserve` bytes for the graphs."""
+    profiled step of max_batch_tokens (over a scratch cache of the pool's `dtype`) and `reserve` bytes for the
+    graphs."""
     cc, sched = config.cache, config.scheduler
     block_shape = (cc.block_size, kv_spec.num_kv_heads, kv_spec.head_dim)
     return plan_kv(lambda: profile_step(model, sampler, kv_spec.num_layers, block_shape, dtype, device,
