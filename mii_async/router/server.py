@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -84,9 +85,7 @@ class Router:
 
     # -- lifecycle -----------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Loads the tokenizer (resolving, and if need be converting, the model), then starts the replicas."""
-        from transformers import AutoTokenizer
-
+        """Resolves (and if need be converts) the model, starts the replicas, then loads the tokenizers."""
         from ..model_source import resolve_model
 
         loop = asyncio.get_running_loop()
@@ -103,21 +102,17 @@ class Router:
         self.replicas.tensor_parallel = self.tensor_parallel = int(world)
         if self.state != "starting":                  # a signal arrived while resolving: start nothing
             return
-        # The workers first: their start (torch's import, the weights) is the long part, and the tokenizers load
-        # meanwhile. Clients are served once the tokenizers are in place.
+        # The workers first: their start (torch's import, the weights) is the long part, and transformers'
+        # import and the tokenizers' load happen meanwhile. Clients are served once the tokenizers are in place.
         self._tasks = [asyncio.create_task(self.worker_link.run(), name="workers"),
                        asyncio.create_task(self.supervisor.run(), name="health")]
         for i in range(self.serve_cfg.replicas):
             self.replicas.start_local(i)
-        # One instance per encoding thread and one for the loop's decoding (a fast tokenizer must not be used by
-        # two threads at once): copies of one loaded instance.
-        first = await loop.run_in_executor(self._pool, AutoTokenizer.from_pretrained, str(path))
-        copies = await loop.run_in_executor(self._pool, lambda: [copy.deepcopy(first)
-                                                                 for _ in range(self.encoders.threads)])
+        tokenizers = await loop.run_in_executor(self._pool, _load_tokenizers, path, self.encoders.threads + 1)
         if self.state != "starting":                  # shutting down already: the workers are being stopped
             return
-        self.encoders.start(copies)
-        self.core.tokenizer = first
+        self.encoders.start(tokenizers[1:])
+        self.core.tokenizer = tokenizers[0]
         self._tasks.append(asyncio.create_task(self._client_loop(), name="clients"))
 
     async def wait_ready(self) -> None:
@@ -307,3 +302,12 @@ class StartupError(Exception):
     def __init__(self, code: str, message: str) -> None:
         self.code = code
         super().__init__(message)
+
+
+def _load_tokenizers(path: Path, n: int) -> list[Any]:
+    """`n` instances of the model's tokenizer: one per encoding thread and one for the loop's decoding (a fast
+    tokenizer must not be used by two threads at once), copies of one loaded instance."""
+    from transformers import AutoTokenizer
+
+    first = AutoTokenizer.from_pretrained(str(path))
+    return [first] + [copy.deepcopy(first) for _ in range(n - 1)]
