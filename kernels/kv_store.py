@@ -24,9 +24,8 @@ def _bytes(cache: torch.Tensor) -> torch.Tensor:
 def select_blocks(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """cache [N, bs, Hkv, D] at block ids `index` (1-D) → [len(index), bs, Hkv, D] in the cache's dtype."""
     n = cache.shape[0]
-    rows = torch.index_select(_bytes(cache).view(n, -1), 0, index)
-    return rows.view(cache.dtype).view(-1, *cache.shape[1:]) if cache.dtype == FP8_KV else \
-        rows.view(-1, *cache.shape[1:])
+    rows = torch.index_select(_bytes(cache).view(n, -1), 0, index).view(cache.dtype)
+    return rows.view(-1, *cache.shape[1:])
 
 
 def store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:

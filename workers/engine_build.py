@@ -98,8 +98,8 @@ def build(config: EngineConfig, model_path: Path | None = None, tp: TPGroup | No
         raise InvalidParameterError("kernels", str(exc)) from None
     kv_dt = kv_dtype(config.cache.kv_cache_dtype, dtype)
     if kv_dt != dtype and kernels == "cuda":       # before any weight is read
-        raise InvalidParameterError("kv_cache_dtype", "an fp8 KV cache runs with kernels='reference' for now: the "
-                                    "CUDA attention kernels read K/V in the model's dtype")
+        raise InvalidParameterError("kv_cache_dtype", "an fp8 KV cache needs kernels='reference': the CUDA "
+                                    "attention kernels read K/V in the model's dtype")
     reader = TensorReader(weights) if weights is not None else WeightReader(model_path)
     model = model_class(spec).load(spec, reader, dtype, device, max_model_len, get_ops(kernels, kernel_config), tp,
                                    quant=load_quantization(model_path, quantization))

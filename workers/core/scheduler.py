@@ -107,9 +107,9 @@ class Scheduler:
                 needs.append(max(0, -(-(s.num_computed_tokens + 1) // bs) - len(s.block_table)))
             elif left > 1:
                 prefills.append(s)
-        cap = None                                     # with a prompt of a better priority due: that priority
+        only = None                                    # with a prompt of a better priority due: that priority
         if worst is not None and (lead := self._lead_prompt(prefills)) is not None and lead < worst:
-            cap = lead
+            only = lead
             # A prompt of a better priority is due: this step is its alone, with the decodes and prompt chunks
             # of that priority or better (background work waits one step instead of lengthening the step the
             # interactive request's first token waits for).
@@ -173,7 +173,7 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending:
                 break                           # preempted with a token in flight: next step, once it is read
-            if cap is not None and seq.params.priority > cap:
+            if only is not None and seq.params.priority > only:
                 break
             if matched := not seq.block_table:
                 bm.match_prefix(seq)

@@ -82,3 +82,26 @@ def test_an_interactive_prompt_that_cannot_be_admitted_holds_nothing_back():
     sched = _scheduler(2, 1, 2)
     sched.add(Sequence(3, [4, 5, 6], SamplingParams(max_new_tokens=5), arrival=3))
     assert _run(sched) == [(1, 1), (2, 1)]
+
+
+def test_a_large_priority_number_is_admitted_beside_decodes():
+    """A request of priority 1000 (more than the step's token budget) waits only for better priorities: beside a
+    running decode of the same priority it is admitted at once."""
+    bm = BlockManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(max_batch_tokens=64, max_num_seqs=8).resolved("cpu"), bm)
+    sched.add(Sequence(1, [1, 2, 3], SamplingParams(max_new_tokens=50, priority=1000), arrival=1))
+    assert _run(sched) == [(1, 3)]
+    sched.add(Sequence(2, [4, 5, 6, 7], SamplingParams(max_new_tokens=5, priority=1000), arrival=2))
+    assert _run(sched) == [(1, 1), (2, 4)]
+
+
+def test_a_due_interactive_prompt_keeps_background_out_beside_interactive_decodes():
+    """An interactive request decoding, a background one decoding; a new interactive prompt and a background
+    prompt arrive: the step holds the interactive decode and prompt only."""
+    sched = _scheduler(8, 1)
+    sched.add(Sequence(2, [1, 2, 3], SamplingParams(max_new_tokens=50), arrival=2))
+    assert _run(sched) == [(2, 3)]                          # its prompt alone
+    assert sorted(_run(sched)) == [(1, 1), (2, 1)]
+    sched.add(Sequence(3, [4, 5, 6, 7, 8], SamplingParams(max_new_tokens=5, priority=1), arrival=3))
+    sched.add(Sequence(4, [4, 5, 6, 7, 8, 9], SamplingParams(max_new_tokens=5), arrival=4))
+    assert sorted(_run(sched)) == [(2, 1), (4, 6)]
