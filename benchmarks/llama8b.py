@@ -258,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.quantization:
         sched["quantization"] = a.quantization
     shape = SHAPES[a.shape]
+    if shape.moe and "longparity" in parts:
+        ap.error("--only longparity: a mixture of experts' transformers model is let go before our engine loads")
     cfg, hf = build_hf(a.shape)
     weights_gb = sum(p.numel() * p.element_size() for p in hf.parameters()) / 1e9
     floor_bytes, flops_per_token = step_bytes(hf), token_flops(hf)
