@@ -8,8 +8,10 @@ none is installed, the name stays this directory's, which has no `__version__`, 
 no usable `kernels` (as it did before 5.25).
 
 `get_ops("reference")` returns the op set of torch implementations, `get_ops("cuda", config)` the CuPy
-kernels (csrc/*.cu) bound to a KernelConfig (config.py; op_set.py); every backend has the same signatures.
-`resolve_backend("auto", device)` is "cuda" on a CUDA device when CuPy imports, else "reference". Nothing here
+kernels (csrc/*.cu) bound to a KernelConfig (config.py; op_set.py), `get_ops("cpu")` the CPU's native kernels
+(csrc/cpu/, built for the host at first use: cpu_build.py); every backend has the same signatures.
+`resolve_backend("auto", device)` is "cuda" on a CUDA device when CuPy imports, "cpu" on the CPU when the
+native kernels build, else "reference". Nothing here
 knows about the engine above it, and nothing is read from the environment at import.
 """
 from __future__ import annotations
@@ -44,7 +46,7 @@ def _yield_top_level_name() -> None:
 if __name__ == "kernels":
     _yield_top_level_name()
 
-BACKENDS = ("reference", "cuda")
+BACKENDS = ("reference", "cuda", "cpu")
 
 
 def cupy_available() -> bool:
@@ -59,10 +61,26 @@ def cupy_available() -> bool:
 
 def resolve_backend(backend: str, device_type: str) -> str:
     if backend == "auto":
-        return "cuda" if device_type == "cuda" and cupy_available() else "reference"
+        if device_type == "cuda":
+            return "cuda" if cupy_available() else "reference"
+        return "cpu" if device_type == "cpu" and cpu_kernels_available() else "reference"
     if backend == "cuda" and device_type != "cuda":
         raise ValueError("the cuda kernels need a CUDA device")
+    if backend == "cpu":
+        if device_type != "cpu":
+            raise ValueError("the cpu kernels run on the CPU")
+        if not cpu_kernels_available():
+            from .cpu_build import unavailable_reason
+
+            raise ValueError(f"the cpu kernels are not available: {unavailable_reason()}")
     return backend
+
+
+def cpu_kernels_available() -> bool:
+    """Whether the CPU's native kernels are built (or build now: a C compiler is on PATH)."""
+    from .cpu_build import load
+
+    return load() is not None
 
 
 def get_ops(backend: str = "reference", config: KernelConfig | None = None) -> OpSet:
@@ -80,4 +98,8 @@ def get_ops(backend: str = "reference", config: KernelConfig | None = None) -> O
         from . import cuda
 
         return OpSet(cuda, config)
+    if backend == "cpu":
+        from . import cpu
+
+        return OpSet(cpu, config)
     raise ValueError(f"unknown kernel backend {backend!r}; available: {', '.join(BACKENDS)}")

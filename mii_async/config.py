@@ -31,7 +31,8 @@ class ModelConfig:
     device: str = "auto"               # auto: cuda when available, else cpu
     max_model_len: int | None = None   # cap on prompt + output tokens; None: the model's own
     cache_dir: str = field(default_factory=default_cache_dir)  # converted models
-    kernels: str = "auto"              # auto: the CuPy/CUDA kernels on a GPU when cupy imports, else reference
+    kernels: str = "auto"              # auto: the CuPy/CUDA kernels on a GPU when cupy imports, the native CPU
+                                       # kernels on the CPU when a C compiler builds them, else reference
     cuda_graphs: bool = True           # on a GPU, replay decode steps from CUDA graphs (False: always eager)
     piecewise_graphs: bool = True      # with cuda_graphs: steps with prompt chunks replay their layers' dense
                                        # parts from graphs, attention eager between them
@@ -49,8 +50,8 @@ class ModelConfig:
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise InvalidParameterError("device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         _pos_int(self, "max_model_len", optional=True)
-        if self.kernels not in ("auto", "reference", "cuda"):
-            raise InvalidParameterError("kernels", f"must be auto, reference or cuda, got {self.kernels!r}")
+        if self.kernels not in ("auto", "reference", "cuda", "cpu"):
+            raise InvalidParameterError("kernels", f"must be auto, reference, cuda or cpu, got {self.kernels!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise InvalidParameterError("cuda_graphs", f"must be true or false, got {self.cuda_graphs!r}")
         if not isinstance(self.piecewise_graphs, bool):

@@ -116,7 +116,19 @@ def auto_quantization(model: str | None, model_path: Path, dtype: str, quantizat
     return None, f"{source.name} holds its projections in {'/'.join(sorted(types)) or 'no known type'}"
 
 
-def describe(dtype: str, quantization: str | None, why: str, threads: int) -> str:
+def kernels_phrase(kernels: str, asked: str) -> str:
+    """How the plan names the op set: the native ops (kernels/cpu.py), or the reference and why."""
+    if kernels == "cpu":
+        return "native CPU ops (built for this CPU) between torch's GEMMs"
+    if asked != "auto":
+        return "the torch reference ops (as asked)"
+    from mii_async.kernels.cpu_build import unavailable_reason
+
+    return f"the torch reference ops ({unavailable_reason()})"
+
+
+def describe(dtype: str, quantization: str | None, why: str, threads: int, kernels: str = "reference",
+             asked: str = "reference") -> str:
     """The plan's line for a CPU engine."""
     flags = cpu_flags()
     isa = ", ".join(name for flag, name in (("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"),
@@ -126,4 +138,4 @@ def describe(dtype: str, quantization: str | None, why: str, threads: int) -> st
     return (f"cpu plan: {weights}, {dtype} activations ({why}); {threads} threads of {cpu_count()} CPUs (one for "
             f"a batch-1 decode step), OpenMP "
             f"waits {os.environ.get(WAIT_POLICY_ENV, 'as libgomp defaults (spin, then sleep)').lower()}; "
-            f"CPU: {isa or 'no AVX2/AVX-512'}")
+            f"{kernels_phrase(kernels, asked)}; CPU: {isa or 'no AVX2/AVX-512'}")

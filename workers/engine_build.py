@@ -86,16 +86,17 @@ def build(config: EngineConfig, model_path: Path | None = None, tp: TPGroup | No
     # int4's GEMMs take bf16 activations on their fast path (kernels/int_weight.py): its default dtype
     auto = "float32" if device.type == "cpu" and quantization != "int4" else "bfloat16"
     dtype = _DTYPES[mc.dtype if mc.dtype != "auto" else auto]
-    if device.type == "cpu" and (tp is None or tp.rank == 0):
-        log.info("%s", describe_cpu(str(dtype).removeprefix("torch."), quantization, why, threads))
-    limit = spec.max_position_embeddings      # a sliding window does not cap it: those layers attend within it
-    max_model_len = min(mc.max_model_len or limit, limit)
-    t0 = time.perf_counter()
     try:
         kernels = resolve_backend(mc.kernels, device.type)
         kernel_config = KernelConfig.from_env(os.environ)   # $MII_ASYNC_DECODE, _DECODE_GRID, _PDL: read once, here
     except ValueError as exc:
         raise InvalidParameterError("kernels", str(exc)) from None
+    if device.type == "cpu" and (tp is None or tp.rank == 0):
+        log.info("%s", describe_cpu(str(dtype).removeprefix("torch."), quantization, why, threads, kernels,
+                                         mc.kernels))
+    limit = spec.max_position_embeddings      # a sliding window does not cap it: those layers attend within it
+    max_model_len = min(mc.max_model_len or limit, limit)
+    t0 = time.perf_counter()
     kv_dt = kv_dtype(config.cache.kv_cache_dtype, dtype)
     if kv_dt != dtype and kernels == "cuda":       # before any weight is read
         raise InvalidParameterError("kv_cache_dtype", "an fp8 KV cache needs kernels='reference': the CUDA "

@@ -33,7 +33,7 @@ def test_without_the_distribution_the_checkout_keeps_the_name():
     r = _run("import sys; sys.path[:] = [p for p in sys.path if 'packages' not in p]; import kernels; "
              "print(kernels.__name__, hasattr(kernels, '__version__'), *kernels.BACKENDS)", None)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["kernels", "False", "reference", "cuda"]
+    assert r.stdout.split() == ["kernels", "False", "reference", "cuda", "cpu"]
 
 
 def test_transformers_finds_no_usable_kernels_without_the_distribution():

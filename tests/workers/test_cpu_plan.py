@@ -45,3 +45,5 @@ def test_the_plan_line_names_weights_threads_and_why():
     assert line.startswith("cpu plan: int4 projections") and "bfloat16 activations (kept at 4 bits)" in line
     assert "2 threads of" in line and "one for a batch-1 decode step" in line
     assert describe("float32", None, "as asked", 1).startswith("cpu plan: float32 weights")
+    assert "native CPU ops" in describe("bfloat16", "int4", "kept", 2, "cpu", "auto")
+    assert "the torch reference ops (as asked)" in describe("bfloat16", "int4", "kept", 2, "reference", "reference")

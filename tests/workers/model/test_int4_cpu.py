@@ -1,6 +1,7 @@
 """The CPU's int4 weights (quantization="int4"): a tiny random Llama against transformers running the very
-weights our quantizer holds (greedy tokens and logits), in fp32 and in int4's default bf16; TP=2 equals TP=1;
-the default model's GGUF served at 4 bits by default, still answering the capital question; refusals."""
+weights our quantizer holds (greedy tokens and logits), in fp32 and in int4's default bf16, through the torch
+reference and through the CPU op set; TP=2 equals TP=1; the default model's GGUF served at 4 bits by default,
+still answering the capital question; refusals."""
 from __future__ import annotations
 
 import pytest
@@ -30,10 +31,12 @@ def int4_reference(src, out):
     return save_like(src, tensors, out)
 
 
-def test_int4_in_fp32_matches_transformers_on_its_weights(tmp_path):
-    """int4 with fp32 activations: transformers' logits (1e-4) and greedy tokens on the dequantized weights."""
+@pytest.mark.parametrize("kernels", ["reference", "auto"])
+def test_int4_in_fp32_matches_transformers_on_its_weights(tmp_path, kernels):
+    """int4 with fp32 activations, on the torch reference and on the CPU op set (auto: native where a compiler
+    builds it): transformers' logits (1e-4) and greedy tokens on the dequantized weights."""
     src = tiny_llama(tmp_path / "float", hidden=64, ffn=128)
-    engine = make_engine(src, quantization="int4", dtype="float32", **OPTIONS)
+    engine = make_engine(src, quantization="int4", dtype="float32", kernels=kernels, **OPTIONS)
     layer = engine.model.layers[0]
     assert all(isinstance(t, Int4Weight) for t in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down))
     assert isinstance(engine.model.output.weight, Int8Weight)

@@ -1,0 +1,185 @@
+"""The CPU op set: native kernels (csrc/cpu/cpu_ops.c, built for this CPU by cpu_build.py) for the small ops of
+a decode step, torch for the GEMMs, the torch reference (reference.py) for the rest, with the reference's
+signatures.
+
+Why native code: a CPU decode step of a small model is a few thousand tiny torch ops, each a dispatch, an
+allocation and, with several threads, an OpenMP fork and join; for the default model (SmolLM2-135M, int4) their
+overhead was most of a batch-1 step. Here each fused op of the model's forward between two GEMMs (the norm with
+the residual add, rotary with the KV write, decode attention over the paged cache in place, the gated
+activation) is one call of C code (decode attention's rows split over the step's threads), and the GEMMs stay
+torch's (MKL/oneDNN, and its int4 /
+int8 weight-only kernels), which take the activations unquantized: the default chat's first token is decided by
+0.4% of its logit, which int8 activations (llama.cpp's Q8_1 dot) were measured to move by 4-14%.
+
+What runs natively: fp32 or bf16 activations, contiguous rows, a cache in the activations' dtype. Anything else
+(an FP8 KV cache, fp16, a mixture of experts' routing, prompt chunks' attention) runs the reference, so every
+model that runs on the reference runs here. The numbers: each op computes in fp32 and rounds where the reference
+rounds (tests/kernels/test_cpu_ops.py holds each against it); a bf16 step of the default model gave the
+reference's logits bit for bit.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from . import reference
+from .cpu_build import load
+from .metadata import AttentionMetadata
+from .reference import moe_experts, moe_route, prefill_attention  # noqa: F401 (the op set)
+
+RAGGED_PREFILL = False
+CONFIGURED = ()
+MAX_GQA = 64                # query heads per KV head the decode attention takes (its per-group state)
+
+_DT = {torch.float32: 0, torch.bfloat16: 1}
+
+_loaded: list = []
+_pool: list[ThreadPoolExecutor] = []
+_pool_lock = threading.Lock()
+
+
+def _lib():
+    if not _loaded:
+        lib = load()
+        if lib is None:
+            raise RuntimeError("the CPU kernels are not built; the engine picks this op set only where they are")
+        _loaded.append(lib)
+    return _loaded[0]
+
+
+def _native(*tensors: torch.Tensor | None) -> bool:
+    """All of them on the CPU, contiguous, in one dtype the kernels take."""
+    ts = [t for t in tensors if t is not None]
+    return (all(t.device.type == "cpu" and t.is_contiguous() for t in ts)
+            and len({t.dtype for t in ts}) == 1 and ts[0].dtype in _DT)
+
+
+def _executor() -> ThreadPoolExecutor:
+    """The helper threads, one fewer than the CPUs: made once and shared by every engine of the process (an
+    executor is safe to submit to from several threads)."""
+    with _pool_lock:
+        if not _pool:
+            _pool.append(ThreadPoolExecutor(max(1, (os.cpu_count() or 1) - 1), thread_name_prefix="mii-cpu-ops"))
+        return _pool[0]
+
+
+def _over_threads(n: int, fn) -> None:
+    """fn(a, b) over [0, n) split over torch's intra-op thread count of the moment (ctypes lets go of the GIL
+    during a call; the engine sets one thread for a batch-1 step, workers/cpu_plan.py), the calling thread
+    taking the first share."""
+    threads = min(torch.get_num_threads(), n, os.cpu_count() or 1)
+    if threads <= 1:
+        fn(0, n)
+        return
+    ex = _executor()
+    bounds = [n * i // threads for i in range(threads + 1)]
+    futures = [ex.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, threads)]
+    fn(bounds[0], bounds[1])
+    for f in futures:
+        f.result()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if not _native(x, weight) or x.dim() != 2:
+        return reference.rms_norm(x, weight, eps)
+    out = torch.empty_like(x)
+    _lib().add_rms_norm(x.data_ptr(), None, None, weight.data_ptr(), eps, x.shape[0], x.shape[1], _DT[x.dtype],
+                        out.data_ptr())
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if not _native(x, residual, weight) or x.dim() != 2:
+        return reference.fused_add_rms_norm(x, residual, weight, eps)
+    out, res = torch.empty_like(x), torch.empty_like(x)
+    _lib().add_rms_norm(x.data_ptr(), residual.data_ptr(), res.data_ptr(), weight.data_ptr(), eps, x.shape[0],
+                        x.shape[1], _DT[x.dtype], out.data_ptr())
+    return out, res
+
+
+def _gated(x: torch.Tensor, gelu: int) -> torch.Tensor:
+    t, f2 = x.shape
+    out = torch.empty(t, f2 // 2, dtype=x.dtype)
+    _lib().gated_act(x.data_ptr(), t, f2 // 2, _DT[x.dtype], gelu, out.data_ptr())
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return _gated(x, 0) if _native(x) and x.dim() == 2 else reference.silu_and_mul(x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return _gated(x, 1) if _native(x) and x.dim() == 2 else reference.gelu_tanh_and_mul(x)
+
+
+linear = reference.linear        # torch's GEMMs: MKL/oneDNN for dense weights, its int4/int8 weight-only kernels
+
+
+def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                        weight, bias: torch.Tensor | None = None,
+                        out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if residual is None:
+        normed, residual = rms_norm(x, norm_weight, eps), x
+    else:
+        normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
+    y = linear(normed, weight, bias)
+    return (y if out_dtype is None else y.to(out_dtype)), residual
+
+
+def add_rms_norm_gate_up(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                         gate_up) -> tuple[torch.Tensor, torch.Tensor]:
+    y, residual = add_rms_norm_linear(x, residual, norm_weight, eps, gate_up)
+    return silu_and_mul(y), residual
+
+
+def add_rms_norm_gate_up_gelu(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                              eps: float, gate_up) -> tuple[torch.Tensor, torch.Tensor]:
+    y, residual = add_rms_norm_linear(x, residual, norm_weight, eps, gate_up)
+    return gelu_tanh_and_mul(y), residual
+
+
+def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> torch.Tensor:
+    """As reference.rotary_write_kv. q, k, v may be views of one QKV row [T, (Hq + 2 Hkv) D]."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    views = all(x.stride(1) == d and x.stride(2) == 1 for x in (q, k, v))
+    if not (views and _native(k_cache, v_cache) and q.dtype == k_cache.dtype == k.dtype == v.dtype
+            and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous() and positions.dtype == torch.int64
+            and slot_mapping.dtype == torch.int64 and positions.is_contiguous() and slot_mapping.is_contiguous()
+            and d % 2 == 0):
+        return reference.rotary_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slot_mapping)
+    q_out = torch.empty(t, hq, d, dtype=q.dtype)
+    _lib().rotary_write_kv(positions.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0),
+                           v.stride(0),
+                           cos_sin.data_ptr(), t, hq, hkv, d, _DT[q.dtype], k_cache.data_ptr(), v_cache.data_ptr(),
+                           slot_mapping.data_ptr(), q_out.data_ptr())
+    return q_out
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
+                    window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """As reference.paged_attention; the decode rows natively, each over its keys in place."""
+    nd = meta.num_decodes
+    hq, d = q.shape[1:]
+    hkv = k_cache.shape[2]
+    if not (nd and _native(q, k_cache, v_cache, out) and hq % hkv == 0 and hq // hkv <= MAX_GQA
+            and meta.block_tables.dtype == torch.int64 and meta.block_tables.is_contiguous()):
+        return reference.paged_attention(q, k_cache, v_cache, meta, scale, out, window, softcap)
+    assert window is None or window > 0, f"a sliding window holds at least one position, got {window}"
+    out = torch.empty_like(q) if out is None else out
+    lens = meta.memo.get("cpu_context_lens")
+    if lens is None:
+        lens = meta.memo["cpu_context_lens"] = torch.tensor(meta.context_lens_host[:nd], dtype=torch.int64)
+    lib, args = _lib(), (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), meta.block_tables.data_ptr(),
+                         meta.block_tables.shape[1], lens.data_ptr())
+    rest = (hq, hkv, d, k_cache.shape[1], scale, window or 0, softcap or 0.0, _DT[q.dtype], out.data_ptr())
+    _over_threads(nd, lambda a, b: lib.decode_attention(*args, a, b, *rest))
+    prefill_attention(q, k_cache, v_cache, meta, scale, out, window, softcap)
+    return out

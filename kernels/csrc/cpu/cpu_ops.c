@@ -1,0 +1,169 @@
+/* The CPU backend's native ops (kernels/cpu.py): the fused steps of a decode step between its GEMMs.
+ *
+ * Built at first use with the host's compiler for the host's CPU (kernels/cpu_build.py: -O3 -march=native); the
+ * loops are plain C that the compiler vectorizes for what that CPU has.
+ *
+ * Activations are fp32 (dt 0) or bf16 (dt 1); every op computes in fp32 and rounds where the torch reference
+ * rounds (a bf16 op rounds its result to nearest even), so a bf16 step gives the reference's very numbers but for
+ * the order of float sums. Shapes are row-major and contiguous unless a row stride is passed.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v = { (uint32_t)h << 16 };
+    return v.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    union { float f; uint32_t u; } v = { f };
+    if ((v.u & 0x7f800000u) == 0x7f800000u && (v.u & 0x7fffffu))   /* NaN stays NaN */
+        return (uint16_t)((v.u >> 16) | 0x40);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+static inline float load(const void* p, int64_t i, int dt) {
+    return dt ? bf16_to_f32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+}
+
+static inline void store(void* p, int64_t i, float v, int dt) {
+    if (dt) ((uint16_t*)p)[i] = f32_to_bf16(v); else ((float*)p)[i] = v;
+}
+
+/* What the reference computes in the activations' dtype, rounded where it rounds (bf16 ops round each result). */
+static inline float round_dt(float v, int dt) { return dt ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+static inline void load_row(const void* p, int64_t off, int n, int dt, float* out) {
+    if (dt) { const uint16_t* s = (const uint16_t*)p + off; for (int i = 0; i < n; i++) out[i] = bf16_to_f32(s[i]); }
+    else memcpy(out, (const float*)p + off, (size_t)n * sizeof(float));
+}
+
+/* residual' = x (+ residual); out = weight · rms_norm(residual'): the reference's order and roundings. */
+void add_rms_norm(const void* x, const void* residual, void* residual_out, const void* weight, float eps,
+                  int T, int H, int dt, void* out) {
+    float* r = (float*)malloc((size_t)H * sizeof(float));
+    for (int t = 0; t < T; t++) {
+        int64_t o = (int64_t)t * H;
+        double ss = 0;
+        for (int i = 0; i < H; i++) {
+            float v = load(x, o + i, dt);
+            if (residual) v = round_dt(v + load(residual, o + i, dt), dt);
+            r[i] = v;
+            ss += (double)v * v;
+        }
+        float inv = 1.0f / sqrtf((float)(ss / H) + eps);
+        for (int i = 0; i < H; i++) {
+            if (residual_out) store(residual_out, o + i, r[i], dt);
+            store(out, o + i, load(weight, i, dt) * round_dt(r[i] * inv, dt), dt);
+        }
+    }
+    free(r);
+}
+
+/* x [T, 2F] = [gate | up] → act(gate) · up [T, F]; act: 0 SiLU, 1 GELU (tanh). */
+void gated_act(const void* x, int T, int F, int dt, int gelu, void* out) {
+    for (int t = 0; t < T; t++) {
+        int64_t i0 = (int64_t)t * 2 * F, o0 = (int64_t)t * F;
+        for (int i = 0; i < F; i++) {
+            float g = load(x, i0 + i, dt), u = load(x, i0 + F + i, dt), a;
+            if (gelu) a = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+            else a = g / (1.0f + expf(-g));
+            store(out, o0 + i, round_dt(a, dt) * u, dt);
+        }
+    }
+}
+
+/* Rotary (rotate-half) on q and k and K/V written to the caches. q, k, v: token rows `qs`, `ks`, `vs` elements
+ * apart (views of one QKV row), heads D apart; cos_sin [P, D] fp32 = [cos | sin] of D/2 frequencies; caches
+ * [slots, Hkv, D] in dt; q_out [T, Hq, D]. */
+void rotary_write_kv(const int64_t* positions, const void* q, const void* k, const void* v, int64_t qs, int64_t ks,
+                     int64_t vs, const float* cos_sin, int T, int Hq, int Hkv, int D, int dt,
+                     void* k_cache, void* v_cache, const int64_t* slots, void* q_out) {
+    int half = D / 2;
+    for (int t = 0; t < T; t++) {
+        const float* cs = cos_sin + positions[t] * D;
+        for (int h = 0; h < Hq + Hkv; h++) {
+            const void* src = h < Hq ? q : k;
+            int64_t base = (int64_t)t * (h < Hq ? qs : ks) + (int64_t)(h < Hq ? h : h - Hq) * D;
+            int64_t dst = h < Hq ? ((int64_t)t * Hq + h) * D : (slots[t] * Hkv + (h - Hq)) * D;
+            void* out = h < Hq ? q_out : k_cache;
+            for (int i = 0; i < half; i++) {
+                float c = round_dt(cs[i], dt), s = round_dt(cs[half + i], dt);
+                float x1 = load(src, base + i, dt), x2 = load(src, base + half + i, dt);
+                store(out, dst + i, round_dt(x1 * c, dt) - round_dt(x2 * s, dt), dt);
+                store(out, dst + half + i, round_dt(x2 * c, dt) + round_dt(x1 * s, dt), dt);
+            }
+        }
+        for (int h = 0; h < Hkv; h++) {
+            int64_t base = (int64_t)t * vs + (int64_t)h * D, dst = (slots[t] * Hkv + h) * D;
+            if (dt) memcpy((uint16_t*)v_cache + dst, (const uint16_t*)v + base, (size_t)D * 2);
+            else memcpy((float*)v_cache + dst, (const float*)v + base, (size_t)D * 4);
+        }
+    }
+}
+
+/* Key j's K (or V) of KV head h in the cache, through the block table (bs a power of two: a shift and a mask, as
+ * the block size always is here; else a division). */
+static inline int64_t key_offset(const int64_t* tab, int bs, int64_t j, int Hkv, int h, int D) {
+    int64_t slot = (bs & (bs - 1)) ? tab[j / bs] * bs + j % bs
+                                   : tab[j >> __builtin_ctz(bs)] * bs + (j & (bs - 1));
+    return (slot * Hkv + h) * D;
+}
+
+/* Decode attention: rows [r0, r1) (one query token each) of q [R, Hq, D] over their keys, read in place from the caches
+ * [N, bs, Hkv, D] through its block table (tables [R, W]); keys [lo, clen) with lo = clen - window under a
+ * window; softcap > 0: scores → softcap·tanh(score / softcap). fp32 scores and softmax, out [R, Hq, D]. */
+void decode_attention(const void* q, const void* k_cache, const void* v_cache, const int64_t* tables, int W,
+                      const int64_t* context_lens, int r0, int r1, int Hq, int Hkv, int D, int bs, float scale,
+                      int window, float softcap, int dt, void* out) {
+    int G = Hq / Hkv;
+    int64_t maxc = 0;
+    for (int r = r0; r < r1; r++) if (context_lens[r] > maxc) maxc = context_lens[r];
+    float* sc = (float*)malloc((size_t)(maxc > 0 ? maxc : 1) * G * sizeof(float));
+    float* qf = (float*)malloc((size_t)G * D * sizeof(float));
+    float* acc = (float*)malloc((size_t)G * D * sizeof(float));
+    float* kv = (float*)malloc((size_t)D * sizeof(float));
+    for (int r = r0; r < r1; r++) {
+        int64_t clen = context_lens[r], lo = window > 0 && clen > window ? clen - window : 0;
+        const int64_t* tab = tables + (int64_t)r * W;
+        for (int h = 0; h < Hkv; h++) {
+            load_row(q, ((int64_t)r * Hq + (int64_t)h * G) * D, G * D, dt, qf);
+            float mx[64];
+            int gn = G <= 64 ? G : 64;
+            for (int g = 0; g < gn; g++) mx[g] = -INFINITY;
+            for (int64_t j = lo; j < clen; j++) {
+                int64_t off = key_offset(tab, bs, j, Hkv, h, D);
+                load_row(k_cache, off, D, dt, kv);
+                for (int g = 0; g < G; g++) {
+                    const float* qq = qf + g * D;
+                    float s = 0;
+                    for (int i = 0; i < D; i++) s += qq[i] * kv[i];
+                    s *= scale;
+                    if (softcap > 0) s = softcap * tanhf(s / softcap);
+                    sc[(j - lo) * G + g] = s;
+                    if (g < 64 && s > mx[g]) mx[g] = s;
+                }
+            }
+            float sum[64];
+            for (int g = 0; g < gn; g++) sum[g] = 0;
+            for (int64_t j = lo; j < clen; j++)
+                for (int g = 0; g < G; g++) { float e = expf(sc[(j - lo) * G + g] - mx[g]); sc[(j - lo) * G + g] = e; sum[g] += e; }
+            memset(acc, 0, (size_t)G * D * sizeof(float));
+            for (int64_t j = lo; j < clen; j++) {
+                int64_t off = key_offset(tab, bs, j, Hkv, h, D);
+                load_row(v_cache, off, D, dt, kv);
+                for (int g = 0; g < G; g++) {
+                    float p = sc[(j - lo) * G + g];
+                    float* a = acc + g * D;
+                    for (int i = 0; i < D; i++) a[i] += p * kv[i];
+                }
+            }
+            for (int g = 0; g < G; g++)
+                for (int i = 0; i < D; i++)
+                    store(out, ((int64_t)r * Hq + (int64_t)h * G + g) * D + i, acc[g * D + i] / sum[g], dt);
+        }
+    }
+    free(sc); free(qf); free(acc); free(kv);
+}

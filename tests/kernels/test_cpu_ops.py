@@ -1,0 +1,140 @@
+"""The CPU backend's native ops (kernels/cpu.py, csrc/cpu/cpu_ops.c) against their torch definitions on random
+data, outputs poisoned first: norms, the gated activations, rotary with the KV write, decode attention over a
+paged cache (GQA, windows, soft-cap, scattered blocks); and what they do not take falls back to the reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+from mii_async.kernels import cpu_kernels_available, get_ops
+from mii_async.kernels import reference as R
+from mii_async.kernels.metadata import AttentionMetadata
+
+pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no C compiler to build the CPU kernels")
+
+DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]
+
+
+@pytest.fixture(scope="module")
+def C():
+    return get_ops("cpu")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (torch.linalg.norm(a.float() - b.float()) / torch.linalg.norm(b.float())).item()
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("t,h", [(1, 576), (7, 64), (3, 1000)])
+def test_norms(C, dtype, tol, t, h):
+    x, res, w = (torch.randn(t, h).to(dtype) for _ in range(3))
+    assert rel(C.rms_norm(x, w[0], 1e-5), R.rms_norm(x, w[0], 1e-5)) < tol
+    out, r = C.fused_add_rms_norm(x, res, w[0], 1e-6)
+    want, want_r = R.fused_add_rms_norm(x, res, w[0], 1e-6)
+    assert torch.equal(r, want_r) and rel(out, want) < tol
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+def test_gated_activations(C, dtype, tol):
+    x = torch.randn(5, 2 * 96).to(dtype) * 3
+    assert rel(C.silu_and_mul(x), R.silu_and_mul(x)) < tol
+    assert rel(C.gelu_tanh_and_mul(x), R.gelu_tanh_and_mul(x)) < tol
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("t", [1, 5])
+def test_rotary_write_kv_from_one_qkv_row(C, dtype, tol, t):
+    hq, hkv, d, bs, nblocks = 6, 2, 64, 16, 8
+    qkv = torch.randn(t, (hq + 2 * hkv) * d).to(dtype)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
+    q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+    positions = torch.randint(0, 500, (t,))
+    inv = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+    ang = torch.arange(512).float()[:, None] * inv[None]
+    cos_sin = torch.cat([ang.cos(), ang.sin()], -1)
+    slots = torch.randperm(nblocks * bs)[:t]
+    caches = [torch.full((nblocks, bs, hkv, d), float("nan"), dtype=dtype) for _ in range(4)]
+    got = C.rotary_write_kv(positions, q, k, v, cos_sin, caches[0], caches[1], slots)
+    want = R.rotary_write_kv(positions, q, k, v, cos_sin, caches[2], caches[3], slots)
+    assert rel(got, want) < tol
+    flat = [c.view(-1, hkv, d)[slots] for c in caches]
+    assert rel(flat[0], flat[2]) < tol and torch.equal(flat[1], flat[3])
+    assert torch.isnan(caches[0]).sum() == torch.isnan(caches[2]).sum()      # nothing else written
+
+
+def _meta(context_lens: list[int], bs: int, nblocks: int) -> AttentionMetadata:
+    """Decode rows only, each sequence's blocks drawn at random from the pool (not in order)."""
+    width = max(-(-c // bs) for c in context_lens)
+    perm = torch.randperm(nblocks)
+    tables = torch.zeros(len(context_lens), width, dtype=torch.int64)
+    at = 0
+    for i, c in enumerate(context_lens):
+        n = -(-c // bs)
+        tables[i, :n] = perm[at:at + n]
+        at += n
+    n = len(context_lens)
+    return AttentionMetadata(slot_mapping=torch.zeros(n, dtype=torch.int64), block_tables=tables,
+                             context_lens=torch.tensor(context_lens), query_start_loc=torch.arange(n + 1),
+                             num_decodes=n, max_context_len=max(context_lens), query_lens=[1] * n,
+                             context_lens_host=list(context_lens))
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (4, 4), (8, 1)])
+@pytest.mark.parametrize("window,softcap", [(None, None), (20, None), (None, 30.0), (7, 50.0)])
+def test_decode_attention_over_scattered_blocks(C, dtype, tol, hq, hkv, window, softcap):
+    d, bs, nblocks = 64, 16, 64
+    lens = [1, 17, 100, 333]
+    kc, vc = torch.randn(nblocks, bs, hkv, d).to(dtype), torch.randn(nblocks, bs, hkv, d).to(dtype)
+    q = torch.randn(len(lens), hq, d).to(dtype)
+    meta = _meta(lens, bs, nblocks)
+    got = C.paged_attention(q, kc, vc, meta, 0.125, torch.full_like(q, float("nan")), window, softcap)
+    want = R.paged_attention(q, kc, vc, meta._replace(), 0.125, None, window, softcap)
+    assert rel(got, want) < tol
+
+
+def test_what_the_native_ops_do_not_take_runs_the_reference(C):
+    """fp16 activations, non-contiguous rows and an FP8 cache take the reference, with its very results; the
+    GEMMs are torch's."""
+    x, w = torch.randn(3, 64).half(), torch.randn(64).half()
+    assert torch.equal(C.rms_norm(x, w, 1e-5), R.rms_norm(x, w, 1e-5))
+    xt = torch.randn(64, 3).t()                                 # [3, 64], columns apart
+    assert torch.equal(C.silu_and_mul(xt), R.silu_and_mul(xt))
+    assert C.linear is R.linear
+    q = torch.randn(2, 4, 64)
+    kc = torch.randn(8, 16, 2, 64).to(torch.float8_e4m3fn)
+    meta = _meta([5, 20], 16, 8)
+    assert torch.equal(C.paged_attention(q, kc, kc, meta, 0.125), R.paged_attention(q, kc, kc, meta._replace(), 0.125))
+
+
+def test_the_source_compiles_without_warnings(tmp_path):
+    """The C source is warning-free under -Wall -Wextra with the flags the build uses."""
+    import subprocess
+
+    from mii_async.kernels import cpu_build
+
+    cc = cpu_build.compiler()
+    r = subprocess.run([cc, *cpu_build.FLAGS, "-Wall", "-Wextra", "-Werror", str(cpu_build.SOURCE), "-o",
+                        str(tmp_path / "t.so"), "-lm"], check=False, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("env,why", [({"MII_ASYNC_CPU_KERNELS": "0"}, "MII_ASYNC_CPU_KERNELS=0"),
+                                     ({"CC": "false", "PATH": "/nonexistent"}, "no C compiler")])
+def test_without_the_library_auto_runs_the_reference_and_says_why(tmp_path, env, why):
+    """No library (turned off, or no compiler on PATH): "auto" resolves to the reference on the CPU, "cpu" is
+    refused with the reason; the build cache is a fresh directory, so nothing built before is loaded."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from mii_async.kernels import resolve_backend\n"
+            "from mii_async.kernels.cpu_build import unavailable_reason\n"
+            "print(resolve_backend('auto', 'cpu'), '|', unavailable_reason())\n"
+            "try:\n    resolve_backend('cpu', 'cpu')\nexcept ValueError as e:\n    print('refused:', e)\n")
+    full = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), **env}
+    r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=full,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    first, refused = r.stdout.splitlines()
+    assert first.startswith("reference |") and why in first
+    assert refused.startswith("refused: the cpu kernels are not available") and why in refused
