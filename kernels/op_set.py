@@ -19,8 +19,14 @@ class OpSet:
     def __init__(self, backend: ModuleType, config: KernelConfig) -> None:
         self.backend = backend            # the module of ops (kernels/reference.py, kernels/cuda.py)
         self.config = config
-        for name in getattr(backend, "CONFIGURED", ()):
+        configured = getattr(backend, "CONFIGURED", ())
+        for name in configured:
             setattr(self, name, functools.partial(getattr(backend, name), config=config))
+        # The backend's other ops bound here too: a CPU step calls hundreds of ops, each found at once.
+        for name, value in vars(backend).items():
+            if callable(value) and not name.startswith("_") and name not in configured \
+                    and getattr(value, "__module__", None) == backend.__name__:
+                setattr(self, name, value)
 
     def __getattr__(self, name: str) -> Any:
         """Called only for names not set on the instance: the backend's. Dunder names are not delegated, so

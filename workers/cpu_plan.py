@@ -44,9 +44,11 @@ def apply_threads(requested: int | None, ranks: int = 1) -> int:
     """Sets torch's intra-op threads: `requested`, else the CPUs this process may run on shared among the
     `ranks` tensor-parallel processes of one host (at least one each)."""
     import torch
+    from mii_async.kernels.cpu import set_head_threads
 
     n = requested or max(1, cpu_count() // ranks)
     torch.set_num_threads(n)
+    set_head_threads(n)
     return n
 
 

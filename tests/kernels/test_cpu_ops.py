@@ -7,6 +7,7 @@ import pytest
 import torch
 from mii_async.kernels import cpu_kernels_available, get_ops
 from mii_async.kernels import reference as R
+from mii_async.kernels.int_weight import quantize_int4, quantize_int8
 from mii_async.kernels.metadata import AttentionMetadata
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no C compiler to build the CPU kernels")
@@ -99,7 +100,29 @@ def test_what_the_native_ops_do_not_take_runs_the_reference(C):
     assert torch.equal(C.rms_norm(x, w, 1e-5), R.rms_norm(x, w, 1e-5))
     xt = torch.randn(64, 3).t()                                 # [3, 64], columns apart
     assert torch.equal(C.silu_and_mul(xt), R.silu_and_mul(xt))
-    assert C.linear is R.linear
+    w4, x2 = quantize_int4(torch.randn(32, 64), torch.bfloat16), torch.randn(2, 64).bfloat16()
+    assert torch.equal(C.linear(x2, w4), R.linear(x2, w4))
+
+
+def test_the_output_head_takes_the_engine_threads_in_a_one_thread_step(C):
+    """The int8 head's GEMM runs on the engine's threads (set_head_threads) in a step set to one, with the same
+    numbers, and the step's thread count is back after it."""
+    from mii_async.kernels import cpu
+
+    w8, x = quantize_int8(torch.randn(4096, 64), torch.bfloat16), torch.randn(1, 64).bfloat16()
+    seen = []
+    before = torch.get_num_threads()
+    real = R.linear
+    try:
+        cpu.reference.linear = lambda *a: seen.append(torch.get_num_threads()) or real(*a)
+        cpu.set_head_threads(2)
+        torch.set_num_threads(1)
+        got = C.linear(x, w8)
+        after = torch.get_num_threads()
+    finally:
+        cpu.reference.linear = real
+        torch.set_num_threads(before)
+    assert seen == [2] and after == 1 and torch.equal(got, R.linear(x, w8))
     q = torch.randn(2, 4, 64)
     kc = torch.randn(8, 16, 2, 64).to(torch.float8_e4m3fn)
     meta = _meta([5, 20], 16, 8)
