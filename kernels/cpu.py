@@ -65,6 +65,11 @@ def set_head_threads(n: int) -> None:
     _head_threads[0] = max(1, n)
 
 
+def _status(code: int) -> None:
+    if code:
+        raise MemoryError("the CPU ops could not allocate their scratch memory")
+
+
 def _executor() -> ThreadPoolExecutor:
     """The helper threads, one fewer than the CPUs: made once and shared by every engine of the process (an
     executor is safe to submit to from several threads)."""
@@ -94,8 +99,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if not _native(x, weight) or x.dim() != 2:
         return reference.rms_norm(x, weight, eps)
     out = torch.empty_like(x)
-    _lib().add_rms_norm(x.data_ptr(), None, None, weight.data_ptr(), eps, x.shape[0], x.shape[1], _DT[x.dtype],
-                        out.data_ptr())
+    _status(_lib().add_rms_norm(x.data_ptr(), None, None, weight.data_ptr(), eps, x.shape[0], x.shape[1],
+                                _DT[x.dtype], out.data_ptr()))
     return out
 
 
@@ -104,8 +109,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     if not _native(x, residual, weight) or x.dim() != 2:
         return reference.fused_add_rms_norm(x, residual, weight, eps)
     out, res = torch.empty_like(x), torch.empty_like(x)
-    _lib().add_rms_norm(x.data_ptr(), residual.data_ptr(), res.data_ptr(), weight.data_ptr(), eps, x.shape[0],
-                        x.shape[1], _DT[x.dtype], out.data_ptr())
+    _status(_lib().add_rms_norm(x.data_ptr(), residual.data_ptr(), res.data_ptr(), weight.data_ptr(), eps,
+                                x.shape[0], x.shape[1], _DT[x.dtype], out.data_ptr()))
     return out, res
 
 
@@ -200,6 +205,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     lib, args = _lib(), (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), meta.block_tables.data_ptr(),
                          meta.block_tables.shape[1], lens.data_ptr())
     rest = (hq, hkv, d, k_cache.shape[1], scale, window or 0, softcap or 0.0, _DT[q.dtype], out.data_ptr())
-    _over_threads(nd, lambda a, b: lib.decode_attention(*args, a, b, *rest))
+    _over_threads(nd, lambda a, b: _status(lib.decode_attention(*args, a, b, *rest)))
     prefill_attention(q, k_cache, v_cache, meta, scale, out, window, softcap)
     return out

@@ -34,6 +34,7 @@ SIGNATURES = {
     "rotary_write_kv": [P, P, P, P, I64, I64, I64, P, I, I, I, I, I, P, P, P, P],
     "decode_attention": [P, P, P, P, I, P, I, I, I, I, I, I, F, I, F, I, P],
 }
+RETURNS_STATUS = ("add_rms_norm", "decode_attention")     # int: 0, or -1 when out of memory
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -99,7 +100,7 @@ def load() -> ctypes.CDLL | None:
                 lib = ctypes.CDLL(str(build(cc, cache_dir())))
                 for name, args in SIGNATURES.items():
                     fn = getattr(lib, name)
-                    fn.argtypes, fn.restype = args, None
+                    fn.argtypes, fn.restype = args, (ctypes.c_int if name in RETURNS_STATUS else None)
             except (OSError, subprocess.SubprocessError) as exc:
                 detail = getattr(exc, "stderr", None) or str(exc)
                 lib, why = None, f"{cc} could not build {SOURCE.name}: {detail.strip()[:300]}"

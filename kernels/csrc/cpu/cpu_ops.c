@@ -5,7 +5,8 @@
  *
  * Activations are fp32 (dt 0) or bf16 (dt 1); every op computes in fp32 and rounds where the torch reference
  * rounds (a bf16 op rounds its result to nearest even), so a bf16 step gives the reference's very numbers but for
- * the order of float sums. Shapes are row-major and contiguous unless a row stride is passed.
+ * the order of float sums. Shapes are row-major and contiguous unless a row stride is passed. The ops that take
+ * scratch memory return 0, or -1 (nothing written) when it cannot be had.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -41,9 +42,10 @@ static inline void load_row(const void* p, int64_t off, int n, int dt, float* ou
 }
 
 /* residual' = x (+ residual); out = weight · rms_norm(residual'): the reference's order and roundings. */
-void add_rms_norm(const void* x, const void* residual, void* residual_out, const void* weight, float eps,
+int add_rms_norm(const void* x, const void* residual, void* residual_out, const void* weight, float eps,
                   int T, int H, int dt, void* out) {
     float* r = (float*)malloc((size_t)H * sizeof(float));
+    if (!r) return -1;
     for (int t = 0; t < T; t++) {
         int64_t o = (int64_t)t * H;
         double ss = 0;
@@ -60,6 +62,7 @@ void add_rms_norm(const void* x, const void* residual, void* residual_out, const
         }
     }
     free(r);
+    return 0;
 }
 
 /* x [T, 2F] = [gate | up] → act(gate) · up [T, F]; act: 0 SiLU, 1 GELU (tanh). */
@@ -115,7 +118,7 @@ static inline int64_t key_offset(const int64_t* tab, int bs, int64_t j, int Hkv,
 /* Decode attention: rows [r0, r1) (one query token each) of q [R, Hq, D] over their keys, read in place from the caches
  * [N, bs, Hkv, D] through its block table (tables [R, W]); keys [lo, clen) with lo = clen - window under a
  * window; softcap > 0: scores → softcap·tanh(score / softcap). fp32 scores and softmax, out [R, Hq, D]. */
-void decode_attention(const void* q, const void* k_cache, const void* v_cache, const int64_t* tables, int W,
+int decode_attention(const void* q, const void* k_cache, const void* v_cache, const int64_t* tables, int W,
                       const int64_t* context_lens, int r0, int r1, int Hq, int Hkv, int D, int bs, float scale,
                       int window, float softcap, int dt, void* out) {
     int G = Hq / Hkv;
@@ -125,6 +128,10 @@ void decode_attention(const void* q, const void* k_cache, const void* v_cache, c
     float* qf = (float*)malloc((size_t)G * D * sizeof(float));
     float* acc = (float*)malloc((size_t)G * D * sizeof(float));
     float* kv = (float*)malloc((size_t)D * sizeof(float));
+    if (!sc || !qf || !acc || !kv) {
+        free(sc); free(qf); free(acc); free(kv);
+        return -1;
+    }
     for (int r = r0; r < r1; r++) {
         int64_t clen = context_lens[r], lo = window > 0 && clen > window ? clen - window : 0;
         const int64_t* tab = tables + (int64_t)r * W;
@@ -166,4 +173,5 @@ void decode_attention(const void* q, const void* k_cache, const void* v_cache, c
         }
     }
     free(sc); free(qf); free(acc); free(kv);
+    return 0;
 }
