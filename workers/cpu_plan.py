@@ -53,10 +53,12 @@ def apply_threads(requested: int | None, ranks: int = 1) -> int:
 
 
 class StepThreads:
-    """The threads of each CPU step: one for a batch-1 decode step, `threads` for the others. A one-token step
-    is a few hundred small ops, each a fork and join across the team: on a quiet 2-core machine the default
-    model's int4 batch-1 step took 16.7 ms on one thread against 29.5 ms on two passive ones (18.3 ms spinning),
-    while a 16-row step took 77 ms on two passive threads."""
+    """The threads of each CPU step: one for a batch-1 decode step, `threads` for the others. A one-token step's
+    GEMMs are small, each a fork and join across the team: on a quiet 2-core machine the default model's int4
+    batch-1 step took 20.8 ms on one thread against 25.5 ms on two passive ones (the output head alone takes
+    every thread: kernels/cpu.py); served, with the router, gateway and client on the same cores, two threads
+    that spin briefly between GEMMs lost too (37-40 against 42 tok/s), while a 16-row step gains from the
+    second thread."""
 
     SINGLE_THREAD_TOKENS = 1
 
