@@ -147,10 +147,9 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                         weight, bias: torch.Tensor | None = None,
                         out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    if residual is None:
-        normed, residual = rms_norm(x, norm_weight, eps), x
-    else:
-        normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
+    """As reference.add_rms_norm_linear: the native norm (with the residual add), then torch's GEMM."""
+    normed, residual = ((rms_norm(x, norm_weight, eps), x) if residual is None
+                        else fused_add_rms_norm(x, residual, norm_weight, eps))
     y = linear(normed, weight, bias)
     return (y if out_dtype is None else y.to(out_dtype)), residual
 
