@@ -65,9 +65,11 @@ def set_head_threads(n: int) -> None:
     _head_threads[0] = max(1, n)
 
 
-def _status(code: int) -> None:
-    if code:
+def _status(code: int, what: str = "") -> None:
+    if code == -1:
         raise MemoryError("the CPU ops could not allocate their scratch memory")
+    if code:
+        raise IndexError(f"{what} out of range")
 
 
 def _executor() -> ThreadPoolExecutor:
@@ -179,10 +181,11 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
             and d % 2 == 0):
         return reference.rotary_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slot_mapping)
     q_out = torch.empty(t, hq, d, dtype=q.dtype)
-    _lib().rotary_write_kv(positions.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0),
-                           v.stride(0),
-                           cos_sin.data_ptr(), t, hq, hkv, d, _DT[q.dtype], k_cache.data_ptr(), v_cache.data_ptr(),
-                           slot_mapping.data_ptr(), q_out.data_ptr())
+    slots = k_cache.numel() // (hkv * d)
+    _status(_lib().rotary_write_kv(positions.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0),
+                                   k.stride(0), v.stride(0), cos_sin.data_ptr(), cos_sin.shape[0], t, hq, hkv, d,
+                                   _DT[q.dtype], k_cache.data_ptr(), v_cache.data_ptr(), slots,
+                                   slot_mapping.data_ptr(), q_out.data_ptr()), "a position or a KV slot")
     return q_out
 
 
@@ -201,9 +204,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     lens = meta.memo.get("cpu_context_lens")
     if lens is None:
         lens = meta.memo["cpu_context_lens"] = torch.tensor(meta.context_lens_host[:nd], dtype=torch.int64)
-    lib, args = _lib(), (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), meta.block_tables.data_ptr(),
-                         meta.block_tables.shape[1], lens.data_ptr())
+    lib, args = _lib(), (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0],
+                         meta.block_tables.data_ptr(), meta.block_tables.shape[1], lens.data_ptr())
     rest = (hq, hkv, d, k_cache.shape[1], scale, window or 0, softcap or 0.0, _DT[q.dtype], out.data_ptr())
-    _over_threads(nd, lambda a, b: _status(lib.decode_attention(*args, a, b, *rest)))
+    _over_threads(nd, lambda a, b: _status(lib.decode_attention(*args, a, b, *rest), "a block id or context"))
     prefill_attention(q, k_cache, v_cache, meta, scale, out, window, softcap)
     return out

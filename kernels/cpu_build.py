@@ -31,10 +31,10 @@ P, I, I64, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
     "add_rms_norm": [P, P, P, P, F, I, I, I, P],
     "gated_act": [P, I, I, I, I, P],
-    "rotary_write_kv": [P, P, P, P, I64, I64, I64, P, I, I, I, I, I, P, P, P, P],
-    "decode_attention": [P, P, P, P, I, P, I, I, I, I, I, I, F, I, F, I, P],
+    "rotary_write_kv": [P, P, P, P, I64, I64, I64, P, I64, I, I, I, I, I, P, P, I64, P, P],
+    "decode_attention": [P, P, P, I64, P, I, P, I, I, I, I, I, I, F, I, F, I, P],
 }
-RETURNS_STATUS = ("add_rms_norm", "decode_attention")     # int: 0, or -1 when out of memory
+RETURNS_STATUS = ("add_rms_norm", "decode_attention", "rotary_write_kv")   # int: 0, -1 out of memory, -2 index
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}

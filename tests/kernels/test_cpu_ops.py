@@ -161,3 +161,25 @@ def test_without_the_library_auto_runs_the_reference_and_says_why(tmp_path, env,
     first, refused = r.stdout.splitlines()
     assert first.startswith("reference |") and why in first
     assert refused.startswith("refused: the cpu kernels are not available") and why in refused
+
+
+def test_an_index_out_of_range_raises_and_writes_nothing(C):
+    """A position past the rotary table, a slot past the cache, or a block id past the pool is an IndexError
+    before anything is written, never a stray read or write."""
+    hq, hkv, d, bs, nblocks = 4, 2, 64, 16, 4
+    q, k, v = torch.randn(1, hq, d), torch.randn(1, hkv, d), torch.randn(1, hkv, d)
+    cos_sin = torch.randn(32, d)
+    kc, vc = torch.zeros(nblocks, bs, hkv, d), torch.zeros(nblocks, bs, hkv, d)
+    for pos, slot in [(32, 0), (-1, 0), (0, nblocks * bs), (0, -1)]:
+        with pytest.raises(IndexError, match="position or a KV slot"):
+            C.rotary_write_kv(torch.tensor([pos]), q, k, v, cos_sin, kc, vc, torch.tensor([slot]))
+    assert not kc.any() and not vc.any()
+    meta = _meta([20], bs, nblocks)
+    bad = meta._replace(block_tables=torch.tensor([[0, nblocks]]))
+    out = torch.zeros(1, hq, d)
+    with pytest.raises(IndexError, match="block id"):
+        C.paged_attention(q, kc, vc, bad, 0.125, out)
+    long = meta._replace(context_lens_host=[3 * bs])                 # more keys than its table holds
+    with pytest.raises(IndexError, match="block id"):
+        C.paged_attention(q, kc, vc, long, 0.125, out)
+    assert not out.any()

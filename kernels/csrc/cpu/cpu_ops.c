@@ -6,7 +6,8 @@
  * Activations are fp32 (dt 0) or bf16 (dt 1); every op computes in fp32 and rounds where the torch reference
  * rounds (a bf16 op rounds its result to nearest even), so a bf16 step gives the reference's very numbers but for
  * the order of float sums. Shapes are row-major and contiguous unless a row stride is passed. The ops that take
- * scratch memory return 0, or -1 (nothing written) when it cannot be had.
+ * scratch memory or index the cache return 0, -1 (nothing written) when memory cannot be had, or -2 (nothing
+ * written) for an index out of range: a wrong index is an error raised in Python, never a stray write.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -80,11 +81,14 @@ void gated_act(const void* x, int T, int F, int dt, int gelu, void* out) {
 
 /* Rotary (rotate-half) on q and k and K/V written to the caches. q, k, v: token rows `qs`, `ks`, `vs` elements
  * apart (views of one QKV row), heads D apart; cos_sin [P, D] fp32 = [cos | sin] of D/2 frequencies; caches
- * [slots, Hkv, D] in dt; q_out [T, Hq, D]. */
-void rotary_write_kv(const int64_t* positions, const void* q, const void* k, const void* v, int64_t qs, int64_t ks,
-                     int64_t vs, const float* cos_sin, int T, int Hq, int Hkv, int D, int dt,
-                     void* k_cache, void* v_cache, const int64_t* slots, void* q_out) {
+ * [S slots, Hkv, D] in dt; q_out [T, Hq, D]. Returns -2, nothing written, if a position or a slot is out of
+ * range. */
+int rotary_write_kv(const int64_t* positions, const void* q, const void* k, const void* v, int64_t qs, int64_t ks,
+                    int64_t vs, const float* cos_sin, int64_t P, int T, int Hq, int Hkv, int D, int dt,
+                    void* k_cache, void* v_cache, int64_t S, const int64_t* slots, void* q_out) {
     int half = D / 2;
+    for (int t = 0; t < T; t++)
+        if (positions[t] < 0 || positions[t] >= P || slots[t] < 0 || slots[t] >= S) return -2;
     for (int t = 0; t < T; t++) {
         const float* cs = cos_sin + positions[t] * D;
         for (int h = 0; h < Hq + Hkv; h++) {
@@ -105,6 +109,7 @@ void rotary_write_kv(const int64_t* positions, const void* q, const void* k, con
             else memcpy((float*)v_cache + dst, (const float*)v + base, (size_t)D * 4);
         }
     }
+    return 0;
 }
 
 /* Key j's K (or V) of KV head h in the cache, through the block table (bs a power of two: a shift and a mask, as
@@ -115,12 +120,19 @@ static inline int64_t key_offset(const int64_t* tab, int bs, int64_t j, int Hkv,
     return (slot * Hkv + h) * D;
 }
 
-/* Decode attention: rows [r0, r1) (one query token each) of q [R, Hq, D] over their keys, read in place from the caches
- * [N, bs, Hkv, D] through its block table (tables [R, W]); keys [lo, clen) with lo = clen - window under a
- * window; softcap > 0: scores → softcap·tanh(score / softcap). fp32 scores and softmax, out [R, Hq, D]. */
-int decode_attention(const void* q, const void* k_cache, const void* v_cache, const int64_t* tables, int W,
-                      const int64_t* context_lens, int r0, int r1, int Hq, int Hkv, int D, int bs, float scale,
-                      int window, float softcap, int dt, void* out) {
+/* Decode attention: rows [r0, r1) (one query token each) of q [R, Hq, D] over their keys, read in place from the
+ * caches [N, bs, Hkv, D] through its block table (tables [R, W]); keys [lo, clen) with lo = clen - window under a
+ * window; softcap > 0: scores → softcap·tanh(score / softcap). fp32 scores and softmax, out [R, Hq, D]. Returns
+ * -2, nothing written, if a row's context passes its table or a block id it reads is not in [0, N). */
+int decode_attention(const void* q, const void* k_cache, const void* v_cache, int64_t N, const int64_t* tables,
+                     int W, const int64_t* context_lens, int r0, int r1, int Hq, int Hkv, int D, int bs, float scale,
+                     int window, float softcap, int dt, void* out) {
+    for (int r = r0; r < r1; r++) {
+        int64_t clen = context_lens[r], lo = window > 0 && clen > window ? clen - window : 0;
+        if (clen < 1 || clen > (int64_t)W * bs) return -2;
+        for (int64_t b = lo / bs; b < (clen + bs - 1) / bs; b++)
+            if (tables[(int64_t)r * W + b] < 0 || tables[(int64_t)r * W + b] >= N) return -2;
+    }
     int G = Hq / Hkv;
     int64_t maxc = 0;
     for (int r = r0; r < r1; r++) if (context_lens[r] > maxc) maxc = context_lens[r];
