@@ -3,18 +3,18 @@ a decode step, torch for the GEMMs, the torch reference (reference.py) for the r
 signatures.
 
 Why native code: a CPU decode step of a small model is a few thousand tiny torch ops, each a dispatch, an
-allocation and, with several threads, an OpenMP fork and join; for the default model (SmolLM2-135M, int4) their
-overhead was most of a batch-1 step. Here each fused op of the model's forward between two GEMMs (the norm with
-the residual add, rotary with the KV write, decode attention over the paged cache in place, the gated
-activation) is one call of C code (decode attention's rows split over the step's threads), and the GEMMs stay
-torch's (MKL/oneDNN, and its int4 /
-int8 weight-only kernels), which take the activations unquantized: the default chat's first token is decided by
-0.4% of its logit, which int8 activations (llama.cpp's Q8_1 dot) were measured to move by 4-14%.
+allocation and, with several threads, an OpenMP fork and join; for the default model (SmolLM2-135M, int4, batch
+1) they took about half of the step beside its GEMMs. Here each fused op of the model's forward between two GEMMs
+(the norm with the residual add, rotary with the KV write, decode attention over the paged cache in place, the
+gated activation) is one call of C code (decode attention's rows split over the step's threads), and the GEMMs
+stay torch's (MKL/oneDNN, and its int4 / int8 weight-only kernels), which take the activations unquantized: the
+default chat's first token is decided by 0.4% of its logit, which int8 activations (llama.cpp's Q8_1 dot) were
+measured to move by 4-14%.
 
 What runs natively: fp32 or bf16 activations, contiguous rows, a cache in the activations' dtype. Anything else
 (an FP8 KV cache, fp16, a mixture of experts' routing, prompt chunks' attention) runs the reference, so every
 model that runs on the reference runs here. The numbers: each op computes in fp32 and rounds where the reference
-rounds (tests/kernels/test_cpu_ops.py holds each against it); a bf16 step of the default model gave the
+rounds (tests/kernels/test_cpu_ops.py holds each against it); a bf16 prefill of the default model gave the
 reference's logits bit for bit.
 """
 from __future__ import annotations
