@@ -44,7 +44,7 @@ static inline void load_row(const void* p, int64_t off, int n, int dt, float* ou
 
 /* residual' = x (+ residual); out = weight · rms_norm(residual'): the reference's order and roundings. */
 int add_rms_norm(const void* x, const void* residual, void* residual_out, const void* weight, float eps,
-                  int T, int H, int dt, void* out) {
+                 int T, int H, int dt, void* out) {
     float* r = (float*)malloc((size_t)H * sizeof(float));
     if (!r) return -1;
     for (int t = 0; t < T; t++) {
