@@ -93,7 +93,7 @@ def build(config: EngineConfig, model_path: Path | None = None, tp: TPGroup | No
         raise InvalidParameterError("kernels", str(exc)) from None
     if device.type == "cpu" and (tp is None or tp.rank == 0):
         log.info("%s", describe_cpu(str(dtype).removeprefix("torch."), quantization, why, threads, kernels,
-                                         mc.kernels))
+                                    mc.kernels))
     limit = spec.max_position_embeddings      # a sliding window does not cap it: those layers attend within it
     max_model_len = min(mc.max_model_len or limit, limit)
     t0 = time.perf_counter()

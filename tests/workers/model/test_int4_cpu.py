@@ -4,10 +4,13 @@ reference and through the CPU op set; TP=2 equals TP=1; the default model's GGUF
 still answering the capital question; refusals."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from mii_async.errors import InvalidParameterError
+from mii_async.kernels import cpu_build
 from mii_async.kernels.int_weight import Int4Weight, Int8Weight, quantize_int4, quantize_int8
 
 from ..helpers import make_engine, run_engine
@@ -37,6 +40,8 @@ def test_int4_in_fp32_matches_transformers_on_its_weights(tmp_path, kernels):
     builds it): transformers' logits (1e-4) and greedy tokens on the dequantized weights."""
     src = tiny_llama(tmp_path / "float", hidden=64, ffn=128)
     engine = make_engine(src, quantization="int4", dtype="float32", kernels=kernels, **OPTIONS)
+    native = cpu_build.compiler() is not None and os.environ.get(cpu_build.ENV_DISABLE) != "0"
+    assert engine.kernels == ("cpu" if kernels == "auto" and native else "reference")
     layer = engine.model.layers[0]
     assert all(isinstance(t, Int4Weight) for t in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down))
     assert isinstance(engine.model.output.weight, Int8Weight)
