@@ -90,7 +90,9 @@ class Pipeline:
                 if chunk is None:
                     continue
                 yield chunk
-                if state.finished:
+                # the chunk's own finish_reason, not the state's: events fed while the consumer was away have
+                # finished the state already, and their chunks still wait in the queue
+                if chunk.finish_reason is not None:
                     return
         finally:
             if not state.finished:

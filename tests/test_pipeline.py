@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 
 import pytest
 
@@ -53,6 +54,25 @@ def test_stream_concatenation_equals_generate(default_pipe):
     assert [t for c in chunks for t in c.token_ids] == expected.token_ids
     assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 40
     assert all(c.finish_reason is None for c in chunks[:-1])
+
+
+def test_a_slow_consumer_gets_every_chunk(default_pipe):
+    """A consumer that blocks its loop after the first chunk, until the engine has finished the request, still
+    reads every token and the chunk with finish_reason (the events fed meanwhile wait in the stream's queue)."""
+    async def main():
+        chunks = []
+        async for c in default_pipe.stream("Tell me about the sea.", max_new_tokens=12, ignore_eos=True):
+            chunks.append(c)
+            if len(chunks) == 1:
+                for _ in range(1500):              # the loop is blocked: the engine's events queue up meanwhile
+                    if default_pipe.stats()["used_blocks"] == 0:
+                        break
+                    time.sleep(0.02)
+        return chunks
+
+    chunks = asyncio.run(main())
+    assert sum(len(c.token_ids) for c in chunks) == 12
+    assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 12
 
 
 def test_many_concurrent_streams(default_pipe):
