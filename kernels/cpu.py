@@ -27,7 +27,8 @@ import torch
 
 from . import reference
 from .cpu_build import load
-from .int_weight import Int8Weight
+from .cpu_int4 import NativeInt4Weight, from_int4, packable
+from .int_weight import Int4Weight, Int8Weight
 from .metadata import AttentionMetadata
 from .reference import moe_experts, moe_route, prefill_attention  # noqa: F401 (the op set)
 
@@ -41,6 +42,7 @@ _loaded: list = []
 _head_threads = [1]
 _pool: list[ThreadPoolExecutor] = []
 _pool_lock = threading.Lock()
+_CPUS = os.cpu_count() or 1
 
 
 def _lib():
@@ -77,7 +79,7 @@ def _executor() -> ThreadPoolExecutor:
     executor is safe to submit to from several threads)."""
     with _pool_lock:
         if not _pool:
-            _pool.append(ThreadPoolExecutor(max(1, (os.cpu_count() or 1) - 1), thread_name_prefix="mii-cpu-ops"))
+            _pool.append(ThreadPoolExecutor(max(1, _CPUS - 1), thread_name_prefix="mii-cpu-ops"))
         return _pool[0]
 
 
@@ -85,7 +87,7 @@ def _over_threads(n: int, fn) -> None:
     """fn(a, b) over [0, n) split over torch's intra-op thread count of the moment (ctypes lets go of the GIL
     during a call; the engine sets one thread for a batch-1 step, workers/cpu_plan.py), the calling thread
     taking the first share."""
-    threads = min(torch.get_num_threads(), n, os.cpu_count() or 1)
+    threads = min(torch.get_num_threads(), n, _CPUS)
     if threads <= 1:
         fn(0, n)
         return
@@ -131,11 +133,37 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _gated(x, 1) if _native(x) and x.dim() == 2 else reference.gelu_tanh_and_mul(x)
 
 
+def adopt_weight(weight):
+    """A projection as it loads (workers/model/weights.py): an int4 one in the native GEMM's layout where this
+    CPU runs it (cpu_int4.py), anything else as it is."""
+    if isinstance(weight, Int4Weight) and packable(weight) and _lib().int4_gemm_native():
+        return from_int4(weight)
+    return weight
+
+
+def _int4_linear(x: torch.Tensor, weight: NativeInt4Weight) -> torch.Tensor:
+    """x [T, K] · weightᵀ in bf16 (as torch's int4 kernel, x is cast to bf16 and the result back), the 64-row
+    blocks split over the step's threads."""
+    n, k = weight.shape
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"an int4 projection of {k} columns takes x [T, {k}], got {list(x.shape)}")
+    xb = x.to(torch.bfloat16).contiguous()
+    y = torch.empty(xb.shape[0], n, dtype=torch.bfloat16)
+    lib, args = _lib(), (weight.codes.data_ptr(), weight.scale_zeros.data_ptr(), n, k, xb.data_ptr(), xb.shape[0],
+                         y.data_ptr())
+    _over_threads(weight.codes.shape[0], lambda a, b: _status(lib.int4_gemm(*args, a, b)))
+    return y.to(x.dtype)
+
+
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """torch's GEMMs (reference.linear: MKL/oneDNN for dense weights, its int4 / int8 weight-only kernels). The
-    output head (the int8 weight of int4's scheme) runs on the engine's threads even in a batch-1 step, which
-    the engine otherwise runs on one: it is a fifth of the step's bytes in one GEMM, so a second thread halves
-    it for one fork and join (the default model's step: 20.8 -> 19.3 ms, passive wait, 2 cores)."""
+    """The native int4 GEMM for an adopted int4 weight; torch's GEMMs otherwise (reference.linear: MKL/oneDNN for
+    dense weights, its int8 weight-only kernel). The output head (the int8 weight of int4's scheme) runs on the
+    engine's threads even in a batch-1 step, which the engine otherwise runs on one: it is a fifth of the step's
+    bytes in one GEMM, so a second thread halves it for one fork and join (the default model's step: 20.8 -> 19.3
+    ms, passive wait, 2 cores)."""
+    if type(weight) is NativeInt4Weight:
+        y = _int4_linear(x, weight)
+        return y + bias if bias is not None else y
     wide = _head_threads[0]
     if isinstance(weight, Int8Weight) and (now := torch.get_num_threads()) < wide:
         torch.set_num_threads(wide)

@@ -1,9 +1,9 @@
-"""The CPU backend's native library: csrc/cpu/cpu_ops.c compiled for this machine's CPU at first use, loaded with
-ctypes.
+"""The CPU backend's native library: the C files of csrc/cpu/ (the fused small ops, the int4 GEMM) compiled into one
+shared object for this machine's CPU at first use, loaded with ctypes.
 
 The source is compiled with the host's C compiler (`$CC`, else cc, gcc or clang) and `-march=native`, so the
 vector instructions are those this CPU has (AVX-512, AVX2, NEON, or none); the shared object is cached
-under the user's cache directory, keyed by the source, the compiler's flags and the CPU's model and flags, so a
+under the user's cache directory, keyed by the sources, the compiler's flags and the CPU's model and flags, so a
 second start loads it in milliseconds and a changed CPU or source builds anew. Without a compiler (a slim
 container) `load()` returns None and the engine runs the torch reference instead, saying why in its plan line.
 
@@ -22,7 +22,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu" / "cpu_ops.c"
+SOURCES = tuple(Path(__file__).parent / "csrc" / "cpu" / name for name in ("cpu_ops.c", "int4_gemm.c"))
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11", "-fno-math-errno", "-fno-trapping-math",
          "-fassociative-math", "-fno-signed-zeros")
 ENV_DISABLE = "MII_ASYNC_CPU_KERNELS"   # "0": never build or load the library (the torch reference runs)
@@ -33,8 +33,11 @@ SIGNATURES = {
     "gated_act": [P, I, I, I, I, P],
     "rotary_write_kv": [P, P, P, P, I64, I64, I64, P, I64, I, I, I, I, I, P, P, I64, P, P],
     "decode_attention": [P, P, P, I64, P, I, P, I, I, I, I, I, I, F, I, F, I, P],
+    "int4_gemm": [P, P, I, I, P, I, P, I, I],
+    "int4_gemm_native": [],
 }
-RETURNS_STATUS = ("add_rms_norm", "decode_attention", "rotary_write_kv")   # int: 0, -1 out of memory, -2 index
+# int: 0, -1 out of memory, -2 an index out of range, -3 not built for this CPU; int4_gemm_native: 1 or 0
+RETURNS_STATUS = ("add_rms_norm", "decode_attention", "rotary_write_kv", "int4_gemm", "int4_gemm_native")
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -64,9 +67,10 @@ def cache_dir() -> Path:
 
 
 def build(cc: str, out_dir: Path) -> Path:
-    """Compiles the source into out_dir (an existing build of the same key is reused). Raises OSError or
+    """Compiles the sources into out_dir (an existing build of the same key is reused). Raises OSError or
     subprocess.CalledProcessError when the compiler fails."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((cc, *FLAGS)).encode() + _cpu_identity().encode())
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + " ".join((cc, *FLAGS)).encode()
+                         + _cpu_identity().encode())
     target = out_dir / f"cpu_ops-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -75,7 +79,7 @@ def build(cc: str, out_dir: Path) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
+        subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
                        timeout=120)
         os.replace(tmp, target)
     finally:
@@ -103,7 +107,7 @@ def load() -> ctypes.CDLL | None:
                     fn.argtypes, fn.restype = args, (ctypes.c_int if name in RETURNS_STATUS else None)
             except (OSError, subprocess.SubprocessError) as exc:
                 detail = getattr(exc, "stderr", None) or str(exc)
-                lib, why = None, f"{cc} could not build {SOURCE.name}: {detail.strip()[:300]}"
+                lib, why = None, f"{cc} could not build {', '.join(s.name for s in SOURCES)}: {detail.strip()[:300]}"
         _state["lib"], _state["why"] = lib, why
         return lib
 

@@ -123,7 +123,7 @@ class DecoderModel(ABC):
         LM head, the norms and a mixture's experts and router stay in `dtype`."""
         shard = shard_plan(spec.num_heads, spec.num_kv_heads, spec.intermediate_size, spec.vocab_size,
                            tp.rank, tp.world) if tp is not None else None
-        w = Weights(reader, dtype, device, shard, quant)
+        w = Weights(reader, dtype, device, shard, quant, getattr(ops, "adopt_weight", None))
         rope = rotary_cache(spec.head_dim, spec.rotary_dim, spec.rope_theta, spec.rope_scaling, max_positions,
                             device)
         local = (rotary_cache(spec.head_dim, spec.rotary_dim, spec.local_rope_theta, None, max_positions, device)

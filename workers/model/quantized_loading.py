@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Union
 import torch
 
 from mii_async.errors import InvalidParameterError, UnsupportedModelError
+from mii_async.kernels.cpu_int4 import NativeInt4Weight
 from mii_async.kernels.fp8_weight import (BLOCK_K, E4M3, FP8Weight, block_rows, cat_rows, quantize_weight,
                                           weight_scales)
 from mii_async.kernels.int_weight import GROUP, Int4Weight, quantize_int4
@@ -25,7 +26,8 @@ from mii_async.kernels.int_weight import GROUP, Int4Weight, quantize_int4
 if TYPE_CHECKING:
     from .weights import Weights
 
-LinearWeight = Union[torch.Tensor, FP8Weight, Int4Weight]   # [N, K] in the model dtype, FP8 or int4 with scales
+# [N, K] in the model dtype, FP8 or int4 with scales (torch's packing, or the CPU op set's: kernels/cpu_int4.py)
+LinearWeight = Union[torch.Tensor, FP8Weight, Int4Weight, NativeInt4Weight]
 Part = tuple[str, Union[tuple[int, int], None], int]  # a checkpoint tensor, its span (None: whole), rows a unit
 SCALE_SLAB = 4096                                     # rows read at once to find a row-parallel weight's scales
 
@@ -55,7 +57,7 @@ def read_linear(w: Weights, parts: Sequence[Part], dim: int = 0) -> LinearWeight
 
 def map_rows(weight: LinearWeight, fn: Callable[[torch.Tensor], torch.Tensor]) -> LinearWeight:
     """`fn` (a reordering of dim 0) applied to a projection's rows, and to their scales when it is quantized."""
-    return weight.map_rows(fn) if isinstance(weight, (FP8Weight, Int4Weight)) else fn(weight)
+    return weight.map_rows(fn) if isinstance(weight, (FP8Weight, Int4Weight, NativeInt4Weight)) else fn(weight)
 
 
 def _read_int4(w: Weights, parts: Sequence[Part], dim: int) -> Int4Weight:

@@ -4,7 +4,7 @@ projections, which under a WeightQuant (workers/model/quantization.py) load as F
 alike (quantized_loading.py)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -30,10 +30,12 @@ class WeightSource(Protocol):
 
 class Weights:
     def __init__(self, source: WeightSource, dtype: torch.dtype, device: torch.device,
-                 shard: ShardPlan | None, quant: WeightQuant | None = None) -> None:
+                 shard: ShardPlan | None, quant: WeightQuant | None = None,
+                 adopt: Callable[[LinearWeight], LinearWeight] | None = None) -> None:
         self.source, self.dtype, self.device = source, dtype, device
         self.shard = shard              # this rank's heads, FFN and vocabulary rows; None: the whole model
         self.quant = quant              # how the linear projections load; None: in the model dtype
+        self.adopt = adopt              # the op set's hand on a quantized projection (its own layout), if any
 
     def __contains__(self, name: str) -> bool:
         return name in self.source
@@ -61,7 +63,7 @@ class Weights:
         """A projection [N, K]: the rows of each part (name, span or None for all, rows per span unit)
         concatenated (q|k|v, gate|up); FP8 under `quant`."""
         if self.quant is not None:
-            return read_linear(self, parts)
+            return self._adopted(read_linear(self, parts))
         tensors = [self.rows(name, span, unit) for name, span, unit in parts]
         return tensors[0] if len(tensors) == 1 else torch.cat(tensors, 0)
 
@@ -69,8 +71,11 @@ class Weights:
         """A row-parallel projection: columns [start·unit, end·unit) of `name` (all when `span` is None); FP8
         under `quant`."""
         if self.quant is not None:
-            return read_linear(self, [(name, span, unit)], dim=1)
+            return self._adopted(read_linear(self, [(name, span, unit)], dim=1))
         return self.columns(name, span, unit)
+
+    def _adopted(self, weight: LinearWeight) -> LinearWeight:
+        return self.adopt(weight) if self.adopt is not None else weight
 
     def _put(self, name: str, t: torch.Tensor, dim: int | None, bounds: tuple[int, int] | None) -> torch.Tensor:
         if t.dtype == E4M3:             # an FP8 checkpoint's tensor that the model holds in its dtype
