@@ -120,10 +120,72 @@ static inline int64_t key_offset(const int64_t* tab, int bs, int64_t j, int Hkv,
     return (slot * Hkv + h) * D;
 }
 
+/* e^x for x ≤ 0 in plain arithmetic that the compiler vectorizes (libm's expf is a call per element): 2^n · e^r
+ * with r = x - n·ln2 in [-ln2/2, ln2/2] and a degree-6 Taylor polynomial (error below 2e-7 relative); x below
+ * -87 gives e^-87 (1.6e-38), which a softmax sum cannot tell from 0. */
+static inline float exp_nonpos(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = __builtin_rintf(x * 1.44269504f);
+    float r = x - n * 0.693145752f - n * 1.42860677e-6f;
+    float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.66666667e-1f + r * (4.16666667e-2f + r * (8.33333333e-3f
+              + r * 1.38888889e-3f)))));
+    union { uint32_t u; float f; } two = { (uint32_t)((int32_t)n + 127) << 23 };
+    return p * two.f;
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* n ≤ 16 vectors of a K or V row (16 lanes each) in fp32 from the cache's dtype. */
+static inline void row_vectors(const void* p, int64_t off, int nv, int dt, __m512* v) {
+    for (int c = 0; c < nv; c++)
+        v[c] = dt ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                        _mm256_loadu_si256((const __m256i*)((const uint16_t*)p + off + 16 * c))), 16))
+                  : _mm512_loadu_ps((const float*)p + off + 16 * c);
+}
+
+/* The scores of `gn` query heads (qf, fp32 [gn][D]) against keys [lo, lo + n) of KV head h, into sc [gn][n]
+ * (row stride `ld`); and their softmax-weighted sum of V rows added to acc [gn][D]. D = 16·nv, gn·nv ≤ 16: the
+ * queries and the accumulators stay in registers while the keys stream by. */
+static void scores_avx512(const float* qf, int gn, int nv, const void* k_cache, const int64_t* tab, int bs,
+                          int64_t lo, int64_t n, int Hkv, int h, int dt, float scale, float* sc, int64_t ld) {
+    __m512 qv[16], kv[16];
+    int D = 16 * nv;
+    for (int g = 0; g < gn; g++)
+        for (int c = 0; c < nv; c++) qv[g * nv + c] = _mm512_loadu_ps(qf + g * D + 16 * c);
+    for (int64_t j = 0; j < n; j++) {
+        row_vectors(k_cache, key_offset(tab, bs, lo + j, Hkv, h, D), nv, dt, kv);
+        for (int g = 0; g < gn; g++) {
+            __m512 a = _mm512_mul_ps(qv[g * nv], kv[0]);
+            for (int c = 1; c < nv; c++) a = _mm512_fmadd_ps(qv[g * nv + c], kv[c], a);
+            sc[g * ld + j] = _mm512_reduce_add_ps(a) * scale;
+        }
+    }
+}
+
+static void values_avx512(const float* sc, int64_t ld, int gn, int nv, const void* v_cache, const int64_t* tab,
+                          int bs, int64_t lo, int64_t n, int Hkv, int h, int dt, float* acc) {
+    __m512 av[16], vv[16];
+    int D = 16 * nv;
+    for (int i = 0; i < gn * nv; i++) av[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j++) {
+        row_vectors(v_cache, key_offset(tab, bs, lo + j, Hkv, h, D), nv, dt, vv);
+        for (int g = 0; g < gn; g++) {
+            __m512 p = _mm512_set1_ps(sc[g * ld + j]);
+            for (int c = 0; c < nv; c++) av[g * nv + c] = _mm512_fmadd_ps(p, vv[c], av[g * nv + c]);
+        }
+    }
+    for (int g = 0; g < gn; g++)
+        for (int c = 0; c < nv; c++) _mm512_storeu_ps(acc + g * D + 16 * c, av[g * nv + c]);
+}
+#endif
+
 /* Decode attention: rows [r0, r1) (one query token each) of q [R, Hq, D] over their keys, read in place from the
  * caches [N, bs, Hkv, D] through its block table (tables [R, W]); keys [lo, clen) with lo = clen - window under a
  * window; softcap > 0: scores → softcap·tanh(score / softcap). fp32 scores and softmax, out [R, Hq, D]. Returns
- * -2, nothing written, if a row's context passes its table or a block id it reads is not in [0, N). */
+ * -2, nothing written, if a row's context passes its table or a block id it reads is not in [0, N).
+ * A KV head's G query heads are scored together against each key as it is read; the scores sit [G][keys] so
+ * that the exponentials run over contiguous keys. */
 int decode_attention(const void* q, const void* k_cache, const void* v_cache, int64_t N, const int64_t* tables,
                      int W, const int64_t* context_lens, int r0, int r1, int Hq, int Hkv, int D, int bs, float scale,
                      int window, float softcap, int dt, void* out) {
@@ -134,6 +196,10 @@ int decode_attention(const void* q, const void* k_cache, const void* v_cache, in
             if (tables[(int64_t)r * W + b] < 0 || tables[(int64_t)r * W + b] >= N) return -2;
     }
     int G = Hq / Hkv;
+#if defined(__AVX512F__)
+    /* head dims of 16..256 in 16s: the vector path, query heads taken `chunk` at a time (16 registers each) */
+    int wide = D % 16 == 0 && D <= 256, chunk = wide ? (256 / D > 1 ? 256 / D : 1) : 1;
+#endif
     int64_t maxc = 0;
     for (int r = r0; r < r1; r++) if (context_lens[r] > maxc) maxc = context_lens[r];
     float* sc = (float*)malloc((size_t)(maxc > 0 ? maxc : 1) * G * sizeof(float));
@@ -145,43 +211,57 @@ int decode_attention(const void* q, const void* k_cache, const void* v_cache, in
         return -1;
     }
     for (int r = r0; r < r1; r++) {
-        int64_t clen = context_lens[r], lo = window > 0 && clen > window ? clen - window : 0;
+        int64_t clen = context_lens[r], lo = window > 0 && clen > window ? clen - window : 0, n = clen - lo;
         const int64_t* tab = tables + (int64_t)r * W;
         for (int h = 0; h < Hkv; h++) {
             load_row(q, ((int64_t)r * Hq + (int64_t)h * G) * D, G * D, dt, qf);
-            float mx[64];
-            int gn = G <= 64 ? G : 64;
-            for (int g = 0; g < gn; g++) mx[g] = -INFINITY;
-            for (int64_t j = lo; j < clen; j++) {
-                int64_t off = key_offset(tab, bs, j, Hkv, h, D);
-                load_row(k_cache, off, D, dt, kv);
+#if defined(__AVX512F__)
+            if (wide) {
+                for (int g0 = 0; g0 < G; g0 += chunk)
+                    scores_avx512(qf + g0 * D, G - g0 < chunk ? G - g0 : chunk, D / 16, k_cache, tab, bs, lo, n,
+                                  Hkv, h, dt, scale, sc + (int64_t)g0 * n, n);
+            } else
+#endif
+            for (int64_t j = 0; j < n; j++) {
+                load_row(k_cache, key_offset(tab, bs, lo + j, Hkv, h, D), D, dt, kv);
                 for (int g = 0; g < G; g++) {
                     const float* qq = qf + g * D;
                     float s = 0;
                     for (int i = 0; i < D; i++) s += qq[i] * kv[i];
-                    s *= scale;
-                    if (softcap > 0) s = softcap * tanhf(s / softcap);
-                    sc[(j - lo) * G + g] = s;
-                    if (g < 64 && s > mx[g]) mx[g] = s;
+                    sc[(int64_t)g * n + j] = s * scale;
                 }
             }
-            float sum[64];
-            for (int g = 0; g < gn; g++) sum[g] = 0;
-            for (int64_t j = lo; j < clen; j++)
-                for (int g = 0; g < G; g++) { float e = expf(sc[(j - lo) * G + g] - mx[g]); sc[(j - lo) * G + g] = e; sum[g] += e; }
+            for (int g = 0; g < G; g++) {
+                float* row = sc + (int64_t)g * n;
+                if (softcap > 0)
+                    for (int64_t j = 0; j < n; j++) row[j] = softcap * tanhf(row[j] / softcap);
+                float mx = -INFINITY, sum = 0;
+                for (int64_t j = 0; j < n; j++) mx = row[j] > mx ? row[j] : mx;
+                for (int64_t j = 0; j < n; j++) { row[j] = exp_nonpos(row[j] - mx); sum += row[j]; }
+                float inv = 1.0f / sum;
+                for (int64_t j = 0; j < n; j++) row[j] *= inv;
+            }
+#if defined(__AVX512F__)
+            if (wide) {
+                for (int g0 = 0; g0 < G; g0 += chunk)
+                    values_avx512(sc + (int64_t)g0 * n, n, G - g0 < chunk ? G - g0 : chunk, D / 16, v_cache, tab,
+                                  bs, lo, n, Hkv, h, dt, acc + g0 * D);
+            } else
+#endif
+            {
             memset(acc, 0, (size_t)G * D * sizeof(float));
-            for (int64_t j = lo; j < clen; j++) {
-                int64_t off = key_offset(tab, bs, j, Hkv, h, D);
-                load_row(v_cache, off, D, dt, kv);
+            for (int64_t j = 0; j < n; j++) {
+                load_row(v_cache, key_offset(tab, bs, lo + j, Hkv, h, D), D, dt, kv);
                 for (int g = 0; g < G; g++) {
-                    float p = sc[(j - lo) * G + g];
+                    float p = sc[(int64_t)g * n + j];
                     float* a = acc + g * D;
                     for (int i = 0; i < D; i++) a[i] += p * kv[i];
                 }
             }
+            }
             for (int g = 0; g < G; g++)
                 for (int i = 0; i < D; i++)
-                    store(out, ((int64_t)r * Hq + (int64_t)h * G + g) * D + i, acc[g * D + i] / sum[g], dt);
+                    store(out, ((int64_t)r * Hq + (int64_t)h * G + g) * D + i, acc[g * D + i], dt);
         }
     }
     free(sc); free(qf); free(acc); free(kv);
