@@ -27,6 +27,7 @@ import torch
 
 from . import reference
 from .cpu_build import load
+from .cpu_decode import decode_layers  # noqa: F401 (the op set: a decode step's layers in one call)
 from .cpu_int4 import NativeInt4Weight, from_int4, packable
 from .int_weight import Int4Weight, Int8Weight
 from .metadata import AttentionMetadata

@@ -25,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from mii_async.errors import UnsupportedModelError
+from mii_async.kernels.cpu_decode import FusedLayer
 from mii_async.kernels.metadata import AttentionMetadata
 
 from .layers.attention import Attention
@@ -150,6 +151,12 @@ class DecoderModel(ABC):
         after each layer's kernels are enqueued (the engine reads the step in flight there)."""
         t = input_ids.shape[0]
         h = self.embed_tokens(input_ids)                                           # [T, H]
+        fused = self._fused_decode(h, kv_caches, meta)
+        if fused is not None:                       # the CPU op set's whole decode step in one call
+            if between_layers is not None:
+                between_layers()
+            h, residual = fused(h, positions, meta)
+            return self.head(h, residual, sample_rows)
         residual: torch.Tensor | None = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             q, residual = self.pre_attention(layer, h, residual, positions, meta.slot_mapping, k_cache, v_cache)
@@ -159,6 +166,32 @@ class DecoderModel(ABC):
                 between_layers()
         assert residual is not None
         return self.head(h, residual, sample_rows)
+
+    def _fused_decode(self, h: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                      meta: AttentionMetadata) -> Any:
+        """The op set's one-call decode step (kernels/cpu_decode.py) where it has one, every layer is the plain
+        pre-norm block it computes, and this step is one it runs; None otherwise. Built at the first step that
+        could take it (the caches exist by then), and again for another list of caches."""
+        make = getattr(self.ops, "decode_layers", None)
+        if make is None or meta.num_decodes != h.shape[0]:
+            return None
+        built = self.__dict__.get("_fused")
+        if built is None or built[0] is not make or built[1] is not kv_caches:
+            plain = self.tp is None and all(
+                type(y.mlp) is GatedMLP and y.post_attn_norm is None and y.post_mlp_norm is None
+                and y.attn.qkv_bias is None and y.attn.o_bias is None and y.attn.q_norm is None
+                and y.attn.k_norm is None and y.attn.norm.eps == y.mlp.norm.eps == self.layers[0].attn.norm.eps
+                and y.mlp.act == self.layers[0].mlp.act and y.attn.softcap == self.layers[0].attn.softcap
+                for y in self.layers)
+            layers = [FusedLayer(y.attn.norm.weight, y.mlp.norm.weight, y.attn.qkv, y.attn.o, y.mlp.gate_up,
+                                 y.mlp.down, k, v, y.attn.cos_sin, y.attn.window)
+                      for y, (k, v) in zip(self.layers, kv_caches)] if plain else []
+            first = self.layers[0]
+            step = make(layers, first.attn.norm.eps, self.scale, first.attn.softcap,
+                        first.mlp.act == "gelu_tanh") if plain else None
+            self.__dict__["_fused"] = built = (make, kv_caches, step)
+        step = built[2]
+        return step if step is not None and step.runs(h, meta) else None
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] → h [T, H]."""
