@@ -71,6 +71,8 @@ def set_head_threads(n: int) -> None:
 def _status(code: int, what: str = "") -> None:
     if code == -1:
         raise MemoryError("the CPU ops could not allocate their scratch memory")
+    if code == -3:
+        raise RuntimeError("the CPU library was built without this op's instructions")
     if code:
         raise IndexError(f"{what} out of range")
 
@@ -84,11 +86,11 @@ def _executor() -> ThreadPoolExecutor:
         return _pool[0]
 
 
-def _over_threads(n: int, fn) -> None:
-    """fn(a, b) over [0, n) split over torch's intra-op thread count of the moment (ctypes lets go of the GIL
-    during a call; the engine sets one thread for a batch-1 step, workers/cpu_plan.py), the calling thread
-    taking the first share."""
-    threads = min(torch.get_num_threads(), n, _CPUS)
+def _over_threads(n: int, fn, threads: int | None = None) -> None:
+    """fn(a, b) over [0, n) split over `threads`, by default torch's intra-op thread count of the moment (ctypes
+    lets go of the GIL during a call; the engine sets one thread for a batch-1 step, workers/cpu_plan.py), the
+    calling thread taking the first share."""
+    threads = min(threads or torch.get_num_threads(), n, _CPUS)
     if threads <= 1:
         fn(0, n)
         return
@@ -156,6 +158,22 @@ def _int4_linear(x: torch.Tensor, weight: NativeInt4Weight) -> torch.Tensor:
     return y.to(x.dtype)
 
 
+def _int8_native(x: torch.Tensor, weight: Int8Weight) -> bool:
+    return (x.dtype in _DT and x.dim() == 2 and x.is_contiguous() and weight.scale.dtype == x.dtype
+            and weight.weight.is_contiguous() and weight.shape[1] % 16 == 0 and x.shape[1] == weight.shape[1]
+            and _lib().int8_gemm_native() == 1)
+
+
+def _int8_linear(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
+    """x [T, K] · (int8 rows · scale)ᵀ natively, the rows split over the head's threads (set_head_threads)."""
+    n, k = weight.shape
+    y = torch.empty(x.shape[0], n, dtype=x.dtype)
+    lib, args = _lib(), (weight.weight.data_ptr(), weight.scale.data_ptr(), n, k, x.data_ptr(), x.shape[0],
+                         _DT[x.dtype], y.data_ptr())
+    _over_threads(n, lambda a, b: _status(lib.int8_gemm(*args, a, b), "int8 GEMM"), _head_threads[0])
+    return y
+
+
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The native int4 GEMM for an adopted int4 weight; torch's GEMMs otherwise (reference.linear: MKL/oneDNN for
     dense weights, its int8 weight-only kernel). The output head (the int8 weight of int4's scheme) runs on the
@@ -164,6 +182,9 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
     ms, passive wait, 2 cores)."""
     if type(weight) is NativeInt4Weight:
         y = _int4_linear(x, weight)
+        return y + bias if bias is not None else y
+    if type(weight) is Int8Weight and _int8_native(x, weight):
+        y = _int8_linear(x, weight)
         return y + bias if bias is not None else y
     wide = _head_threads[0]
     if isinstance(weight, Int8Weight) and (now := torch.get_num_threads()) < wide:

@@ -1,5 +1,5 @@
-"""The CPU backend's native library: the C files of csrc/cpu/ (the fused small ops, the int4 GEMM, the one-call
-decode step) compiled into one shared object for this machine's CPU at first use, loaded with ctypes.
+"""The CPU backend's native library: the C files of csrc/cpu/ (the fused small ops, the int4 and int8 GEMMs,
+the one-call decode step) compiled into one shared object for this machine's CPU at first use, loaded with ctypes.
 
 The source is compiled with the host's C compiler (`$CC`, else cc, gcc or clang) and `-march=native`, so the
 vector instructions are those this CPU has (AVX-512, AVX2, NEON, or none); the shared object is cached
@@ -22,7 +22,8 @@ import tempfile
 import threading
 from pathlib import Path
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / "cpu" / name for name in ("cpu_ops.c", "int4_gemm.c", "decode_layers.c"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / "cpu" / name
+                for name in ("cpu_ops.c", "int4_gemm.c", "int8_gemm.c", "decode_layers.c"))
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11", "-fno-math-errno", "-fno-trapping-math",
          "-fassociative-math", "-fno-signed-zeros")
 ENV_DISABLE = "MII_ASYNC_CPU_KERNELS"   # "0": never build or load the library (the torch reference runs)
@@ -35,11 +36,13 @@ SIGNATURES = {
     "decode_attention": [P, P, P, I64, P, I, P, I, I, I, I, I, I, F, I, F, I, P],
     "int4_gemm": [P, P, I, I, P, I, P, I, I],
     "int4_gemm_native": [],
+    "int8_gemm": [P, P, I, I, P, I, I, P, I, I],
+    "int8_gemm_native": [],
     "decode_layers": [P, P, I, P, P, P, I, P, P, P],
 }
 # int: 0, -1 out of memory, -2 an index out of range, -3 not built for this CPU; int4_gemm_native: 1 or 0
 RETURNS_STATUS = ("add_rms_norm", "decode_attention", "rotary_write_kv", "int4_gemm", "int4_gemm_native",
-                  "decode_layers")
+                  "int8_gemm", "int8_gemm_native", "decode_layers")
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}

@@ -102,3 +102,36 @@ def test_the_op_set_adopts_what_it_can_run():
         assert isinstance(w, Int4Weight) and not packable(w) and cpu.adopt_weight(w) is w
     dense = torch.randn(128, 64)
     assert cpu.adopt_weight(dense) is dense
+
+
+needs_int8 = pytest.mark.skipif(cpu_build.load() is None or cpu_build.load().int8_gemm_native() != 1,
+                                reason="the int8 GEMM needs the CPU library built with AVX-512F")
+
+
+@needs_int8
+@pytest.mark.parametrize("n,k", [(4096, 64), (1000, 576), (49152, 576)])
+@pytest.mark.parametrize("m", [1, 3, 6])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_int8_head_gemm_matches_the_dequantized_weights(n, k, m, dtype):
+    """The int4 scheme's int8 head (one scale a row), natively: as near x · dequantized(W)ᵀ as torch's kernel, in
+    the activations' dtype, whatever the head's threads (each row computes alone: the same bits)."""
+    from mii_async.kernels.int_weight import quantize_int8
+
+    g = torch.Generator().manual_seed(n + k + m)
+    w8 = quantize_int8(torch.randn(n, k, generator=g), dtype)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    want = x.float() @ w8.dequantize(torch.float32).t()
+    outs = []
+    try:
+        for threads in (1, 2):
+            cpu.set_head_threads(threads)
+            outs.append(cpu.linear(x, w8))
+    finally:
+        cpu.set_head_threads(torch.get_num_threads())
+    y = outs[0]
+    assert y.dtype == dtype and y.shape == (m, n) and torch.equal(outs[0], outs[1])
+    err = (y.float() - want).norm() / want.norm()
+    torch_err = (w8.linear(x).float() - want).norm() / want.norm()
+    assert err <= max(1.5 * torch_err, 1e-5), (float(err), float(torch_err))
+    assert ((y.float() - want).abs() <= 0.01 * want.abs().max() + 1e-4).all()
+

@@ -1,0 +1,95 @@
+/* int8 weight-only GEMM for the CPU op set (kernels/cpu.py): y [M, N] = x [M, K] · Wᵀ with W int8 [N, K] row-major
+ * and one scale per row (torch's `_weight_int8pack_mm` layout, the int4 scheme's output head). x and y are fp32
+ * (dt 0) or bf16 (dt 1), the scales in the same dtype; a row's dot product is summed in fp32, times its scale,
+ * rounded once to y's dtype (as torch's kernel rounds).
+ *
+ * A batch-1 step reads the head's 28 MB once: memory-bound, so the codes are widened to fp32 in registers
+ * (AVX-512F) and each group of four weight rows runs four independent FMA chains per row of x. Where the compiler
+ * has no AVX-512F for this CPU, int8_gemm_native() is 0 and the op set keeps torch's kernel.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+int int8_gemm_native(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#define RB 4            /* weight rows a pass */
+#define MB 4            /* rows of x a pass */
+
+static inline float from_dt(const void* p, int64_t i, int dt) {
+    if (!dt) return ((const float*)p)[i];
+    union { uint32_t u; float f; } v = { (uint32_t)((const uint16_t*)p)[i] << 16 };
+    return v.f;
+}
+
+static inline void to_dt(void* p, int64_t i, float f, int dt) {
+    if (!dt) { ((float*)p)[i] = f; return; }
+    union { float f; uint32_t u; } v = { f };
+    uint16_t h = ((v.u & 0x7f800000u) == 0x7f800000u && (v.u & 0x7fffffu))
+                 ? (uint16_t)((v.u >> 16) | 0x40) : (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+    ((uint16_t*)p)[i] = h;
+}
+
+static inline __m512 widen(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+
+/* Rows n0 … n0 + rb - 1 of W against rows m0 … m0 + mb - 1 of xf (fp32 [M, K]), K a multiple of 16. */
+static inline __attribute__((always_inline)) void tile(const int8_t* w, int K, const float* xf, int rb, int mb,
+                                                       float out[RB][MB]) {
+    __m512 a[RB][MB];
+    for (int r = 0; r < rb; r++)
+        for (int m = 0; m < mb; m++) a[r][m] = _mm512_setzero_ps();
+    for (int k = 0; k < K; k += 16) {
+        __m512 xv[MB];
+        for (int m = 0; m < mb; m++) xv[m] = _mm512_loadu_ps(xf + (int64_t)m * K + k);
+        if ((k & 63) == 0)       /* the next four rows, a line each per 64 columns: the loads find them in cache */
+            for (int r = 0; r < RB; r++) _mm_prefetch((const char*)(w + (int64_t)(2 * RB + r) * K + k), _MM_HINT_T0);
+        for (int r = 0; r < rb; r++) {
+            __m512 wv = widen(w + (int64_t)r * K + k);
+            for (int m = 0; m < mb; m++) a[r][m] = _mm512_fmadd_ps(wv, xv[m], a[r][m]);
+        }
+    }
+    for (int r = 0; r < rb; r++)
+        for (int m = 0; m < mb; m++) out[r][m] = _mm512_reduce_add_ps(a[r][m]);
+}
+#endif
+
+/* Columns [n0, n1) of y. Returns 0, -1 out of memory, -3 not built for this CPU or K not a multiple of 16. */
+int int8_gemm(const int8_t* w, const void* scale, int N, int K, const void* x, int M, int dt, void* y, int n0,
+              int n1) {
+#if defined(__AVX512F__)
+    if (K % 16) return -3;
+    float* xf = (float*)malloc((size_t)M * K * sizeof(float));
+    if (!xf) return -1;
+    for (int64_t i = 0; i < (int64_t)M * K; i++) xf[i] = from_dt(x, i, dt);
+    for (int m0 = 0; m0 < M; m0 += MB) {
+        int mb = M - m0 < MB ? M - m0 : MB;
+        const float* xm = xf + (int64_t)m0 * K;
+        for (int n = n0; n < n1; n += RB) {
+            int rb = n1 - n < RB ? n1 - n : RB;
+            float out[RB][MB];
+            const int8_t* wn = w + (int64_t)n * K;
+            if (rb == RB && mb == 1) tile(wn, K, xm, RB, 1, out);
+            else if (rb == RB && mb == MB) tile(wn, K, xm, RB, MB, out);
+            else tile(wn, K, xm, rb, mb, out);
+            for (int r = 0; r < rb; r++)
+                for (int m = 0; m < mb; m++)
+                    to_dt(y, (int64_t)(m0 + m) * N + n + r, out[r][m] * from_dt(scale, n + r, dt), dt);
+        }
+    }
+    free(xf);
+    return 0;
+#else
+    (void)w; (void)scale; (void)N; (void)K; (void)x; (void)M; (void)dt; (void)y; (void)n0; (void)n1;
+    return -3;
+#endif
+}
