@@ -120,10 +120,19 @@ def auto_quantization(model: str | None, model_path: Path, dtype: str, quantizat
     return None, f"{source.name} holds its projections in {'/'.join(sorted(types)) or 'no known type'}"
 
 
-def kernels_phrase(kernels: str, asked: str) -> str:
-    """How the plan names the op set: the native ops (kernels/cpu.py), or the reference and why."""
+def kernels_phrase(kernels: str, asked: str, quantization: str | None = None) -> str:
+    """How the plan names the op set: the native ops (kernels/cpu.py) and which GEMMs are theirs, or the
+    reference and why."""
     if kernels == "cpu":
-        return "native CPU ops (built for this CPU) between torch's GEMMs"
+        if quantization != "int4":
+            return "native CPU ops (built for this CPU) between torch's GEMMs"
+        from mii_async.kernels.cpu_build import load
+
+        lib = load()
+        if lib is not None and lib.int4_gemm_native():
+            return ("native CPU ops and int4 / int8 GEMMs (built for this CPU; AVX512-BF16 dot products), a "
+                    "one-thread decode step's layers in one call")
+        return "native CPU ops (built for this CPU) between torch's int4 GEMMs (no AVX512-BF16 here)"
     if asked != "auto":
         return "the torch reference ops (as asked)"
     from mii_async.kernels.cpu_build import unavailable_reason
@@ -142,4 +151,4 @@ def describe(dtype: str, quantization: str | None, why: str, threads: int, kerne
     return (f"cpu plan: {weights}, {dtype} activations ({why}); {threads} threads of {cpu_count()} CPUs (one for "
             f"a batch-1 decode step), OpenMP "
             f"waits {os.environ.get(WAIT_POLICY_ENV, 'as libgomp defaults (spin, then sleep)').lower()}; "
-            f"{kernels_phrase(kernels, asked)}; CPU: {isa or 'no AVX2/AVX-512'}")
+            f"{kernels_phrase(kernels, asked, quantization)}; CPU: {isa or 'no AVX2/AVX-512'}")
