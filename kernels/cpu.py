@@ -14,8 +14,9 @@ measured to move by 4-14%.
 What runs natively: fp32 or bf16 activations, contiguous rows, a cache in the activations' dtype. Anything else
 (an FP8 KV cache, fp16, a mixture of experts' routing, prompt chunks' attention) runs the reference, so every
 model that runs on the reference runs here. The numbers: each op computes in fp32 and rounds where the reference
-rounds (tests/kernels/test_cpu_ops.py holds each against it); a bf16 prefill of the default model gave the
-reference's logits bit for bit.
+rounds (tests/kernels/test_cpu_ops.py holds each against it); the default model's prefill logits come within
+2.5e-7 of the reference's in fp32, and within bf16's own noise in bf16 (1.6% over 30 layers, the same argmax), the
+float sums' order being the difference.
 """
 from __future__ import annotations
 

@@ -42,28 +42,48 @@ static inline void load_row(const void* p, int64_t off, int n, int dt, float* ou
     else memcpy(out, (const float*)p + off, (size_t)n * sizeof(float));
 }
 
-/* residual' = x (+ residual); out = weight · rms_norm(residual'): the reference's order and roundings. */
+static inline void store_row(void* p, int64_t off, const float* v, int n, int dt) {
+    if (dt) { uint16_t* d = (uint16_t*)p + off; for (int i = 0; i < n; i++) d[i] = f32_to_bf16(v[i]); }
+    else memcpy((float*)p + off, v, (size_t)n * sizeof(float));
+}
+
+/* residual' = x (+ residual); out = weight · rms_norm(residual'): the reference's order and roundings. Each loop
+ * is over fp32 scratch rows, so that the compiler vectorizes it (the dtype's branches stay outside). */
 int add_rms_norm(const void* x, const void* residual, void* residual_out, const void* weight, float eps,
                  int T, int H, int dt, void* out) {
-    float* r = (float*)malloc((size_t)H * sizeof(float));
+    float* r = (float*)malloc((size_t)H * 3 * sizeof(float));
     if (!r) return -1;
+    float *res = r + H, *w = r + 2 * H;
+    load_row(weight, 0, H, dt, w);
     for (int t = 0; t < T; t++) {
         int64_t o = (int64_t)t * H;
+        load_row(x, o, H, dt, r);
+        if (residual) {
+            load_row(residual, o, H, dt, res);
+            for (int i = 0; i < H; i++) r[i] = round_dt(r[i] + res[i], dt);
+        }
         double ss = 0;
-        for (int i = 0; i < H; i++) {
-            float v = load(x, o + i, dt);
-            if (residual) v = round_dt(v + load(residual, o + i, dt), dt);
-            r[i] = v;
-            ss += (double)v * v;
-        }
+        for (int i = 0; i < H; i++) ss += (double)r[i] * r[i];
         float inv = 1.0f / sqrtf((float)(ss / H) + eps);
-        for (int i = 0; i < H; i++) {
-            if (residual_out) store(residual_out, o + i, r[i], dt);
-            store(out, o + i, load(weight, i, dt) * round_dt(r[i] * inv, dt), dt);
-        }
+        if (residual_out) store_row(residual_out, o, r, H, dt);
+        for (int i = 0; i < H; i++) r[i] = w[i] * round_dt(r[i] * inv, dt);
+        store_row(out, o, r, H, dt);
     }
     free(r);
     return 0;
+}
+
+/* e^x in plain arithmetic that the compiler vectorizes (libm's expf is a call per element): 2^n · e^r with
+ * r = x - n·ln2 in [-ln2/2, ln2/2] and a degree-6 Taylor polynomial (error below 2e-7 relative). x is clamped to
+ * [-87, 88]: e^-87 (1.6e-38) is what a softmax sum or a SiLU cannot tell from 0, e^88 (1.7e38) from infinity. */
+static inline float exp_clamped(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float n = __builtin_rintf(x * 1.44269504f);
+    float r = x - n * 0.693145752f - n * 1.42860677e-6f;
+    float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.66666667e-1f + r * (4.16666667e-2f + r * (8.33333333e-3f
+              + r * 1.38888889e-3f)))));
+    union { uint32_t u; float f; } two = { (uint32_t)((int32_t)n + 127) << 23 };
+    return p * two.f;
 }
 
 /* x [T, 2F] = [gate | up] → act(gate) · up [T, F]; act: 0 SiLU, 1 GELU (tanh). */
@@ -72,8 +92,12 @@ void gated_act(const void* x, int T, int F, int dt, int gelu, void* out) {
         int64_t i0 = (int64_t)t * 2 * F, o0 = (int64_t)t * F;
         for (int i = 0; i < F; i++) {
             float g = load(x, i0 + i, dt), u = load(x, i0 + F + i, dt), a;
-            if (gelu) a = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
-            else a = g / (1.0f + expf(-g));
+            if (gelu) {     /* 1 + tanh(u) = 2 - 2 / (e^2u + 1) */
+                float u = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+                a = 0.5f * g * (2.0f - 2.0f / (exp_clamped(2.0f * u) + 1.0f));
+            } else {
+                a = g / (1.0f + exp_clamped(-g));
+            }
             store(out, o0 + i, round_dt(a, dt) * u, dt);
         }
     }
@@ -120,18 +144,6 @@ static inline int64_t key_offset(const int64_t* tab, int bs, int64_t j, int Hkv,
     return (slot * Hkv + h) * D;
 }
 
-/* e^x for x ≤ 0 in plain arithmetic that the compiler vectorizes (libm's expf is a call per element): 2^n · e^r
- * with r = x - n·ln2 in [-ln2/2, ln2/2] and a degree-6 Taylor polynomial (error below 2e-7 relative); x below
- * -87 gives e^-87 (1.6e-38), which a softmax sum cannot tell from 0. */
-static inline float exp_nonpos(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = __builtin_rintf(x * 1.44269504f);
-    float r = x - n * 0.693145752f - n * 1.42860677e-6f;
-    float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.66666667e-1f + r * (4.16666667e-2f + r * (8.33333333e-3f
-              + r * 1.38888889e-3f)))));
-    union { uint32_t u; float f; } two = { (uint32_t)((int32_t)n + 127) << 23 };
-    return p * two.f;
-}
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -237,7 +249,7 @@ int decode_attention(const void* q, const void* k_cache, const void* v_cache, in
                     for (int64_t j = 0; j < n; j++) row[j] = softcap * tanhf(row[j] / softcap);
                 float mx = -INFINITY, sum = 0;
                 for (int64_t j = 0; j < n; j++) mx = row[j] > mx ? row[j] : mx;
-                for (int64_t j = 0; j < n; j++) { row[j] = exp_nonpos(row[j] - mx); sum += row[j]; }
+                for (int64_t j = 0; j < n; j++) { row[j] = exp_clamped(row[j] - mx); sum += row[j]; }
                 float inv = 1.0f / sum;
                 for (int64_t j = 0; j < n; j++) row[j] *= inv;
             }
