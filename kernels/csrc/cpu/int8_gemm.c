@@ -4,7 +4,9 @@
  * rounded once to y's dtype (as torch's kernel rounds).
  *
  * A batch-1 step reads the head's 28 MB once: memory-bound, so the codes are widened to fp32 in registers
- * (AVX-512F) and each group of four weight rows runs four independent FMA chains per row of x. Where the compiler
+ * (AVX-512F) and each group of four weight rows runs four independent FMA chains per row of x. With several rows
+ * of bf16 x the work is the products: each tile of rows is widened once, to bf16, and AVX512-BF16's pairwise dot
+ * products run every row of x over it. Where the compiler
  * has no AVX-512F for this CPU, int8_gemm_native() is 0 and the op set keeps torch's kernel.
  */
 #include <stdint.h>
@@ -61,6 +63,33 @@ static inline __attribute__((always_inline)) void tile(const int8_t* w, int K, c
     for (int r = 0; r < rb; r++)
         for (int m = 0; m < mb; m++) out[r][m] = _mm512_reduce_add_ps(a[r][m]);
 }
+
+#if defined(__AVX512BF16__)
+/* Several rows of bf16 x (K a multiple of 32): each tile of weight rows is widened once, to bf16 (exact: |q| ≤
+ * 127 holds in bf16's 8 bits), into `wb`, and every row of x runs over it with vdpbf16ps, two products a lane. */
+static void rows_bf16(const int8_t* w, int K, const uint16_t* x, int M, int n, int rb, uint16_t* wb,
+                      float (*out)[MB], int m0, int mb) {
+    if (m0 == 0)
+        for (int r = 0; r < rb; r++)
+            for (int k = 0; k < K; k += 16)
+                _mm256_storeu_si256((__m256i*)(wb + r * K + k),
+                                    (__m256i)_mm512_cvtneps_pbh(widen(w + (int64_t)(n + r) * K + k)));
+    __m512 a[RB][MB];
+    for (int r = 0; r < RB; r++)
+        for (int m = 0; m < MB; m++) a[r][m] = _mm512_setzero_ps();
+    for (int k = 0; k < K; k += 32) {
+        __m512bh xv[MB];
+        for (int m = 0; m < mb; m++) xv[m] = (__m512bh)_mm512_loadu_si512((const void*)(x + (int64_t)(m0 + m) * K + k));
+        for (int r = 0; r < rb; r++) {
+            __m512bh wv = (__m512bh)_mm512_loadu_si512((const void*)(wb + r * K + k));
+            for (int m = 0; m < mb; m++) a[r][m] = _mm512_dpbf16_ps(a[r][m], wv, xv[m]);
+        }
+    }
+    for (int r = 0; r < rb; r++)
+        for (int m = 0; m < mb; m++) out[r][m] = _mm512_reduce_add_ps(a[r][m]);
+    (void)M;
+}
+#endif
 #endif
 
 /* Columns [n0, n1) of y. Returns 0, -1 out of memory, -3 not built for this CPU or K not a multiple of 16. */
@@ -68,6 +97,25 @@ int int8_gemm(const int8_t* w, const void* scale, int N, int K, const void* x, i
               int n1) {
 #if defined(__AVX512F__)
     if (K % 16) return -3;
+#if defined(__AVX512BF16__)
+    if (M > 1 && dt == 1 && K % 32 == 0) {
+        uint16_t* wb = (uint16_t*)malloc((size_t)RB * K * sizeof(uint16_t));
+        if (!wb) return -1;
+        for (int n = n0; n < n1; n += RB) {
+            int rb = n1 - n < RB ? n1 - n : RB;
+            for (int m0 = 0; m0 < M; m0 += MB) {
+                int mb = M - m0 < MB ? M - m0 : MB;
+                float out[RB][MB];
+                rows_bf16(w, K, (const uint16_t*)x, M, n, rb, wb, out, m0, mb);
+                for (int r = 0; r < rb; r++)
+                    for (int m = 0; m < mb; m++)
+                        to_dt(y, (int64_t)(m0 + m) * N + n + r, out[r][m] * from_dt(scale, n + r, dt), dt);
+            }
+        }
+        free(wb);
+        return 0;
+    }
+#endif
     float* xf = (float*)malloc((size_t)M * K * sizeof(float));
     if (!xf) return -1;
     for (int64_t i = 0; i < (int64_t)M * K; i++) xf[i] = from_dt(x, i, dt);
