@@ -20,6 +20,7 @@ float sums' order being the difference.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +37,7 @@ from .reference import moe_experts, moe_route, prefill_attention  # noqa: F401 (
 
 RAGGED_PREFILL = False
 CONFIGURED = ()
-MAX_GQA = 64                # query heads per KV head the decode attention takes (its per-group state)
+INT8_ROWS = 256             # rows of the int8 head a thread takes at a time
 
 _DT = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -87,20 +88,26 @@ def _executor() -> ThreadPoolExecutor:
         return _pool[0]
 
 
-def _over_threads(n: int, fn, threads: int | None = None) -> None:
-    """fn(a, b) over [0, n) split over `threads`, by default torch's intra-op thread count of the moment (ctypes
-    lets go of the GIL during a call; the engine sets one thread for a batch-1 step, workers/cpu_plan.py), the
-    calling thread taking the first share."""
-    threads = min(threads or torch.get_num_threads(), n, _CPUS)
+def _parallel(n: int, op, threads: int | None = None, chunk: int = 1) -> int:
+    """op(a, b, team, owner) over the units [0, n) on `threads` threads (by default torch's intra-op count of the
+    moment: the engine sets one for a batch-1 step, workers/cpu_plan.py). With several, this thread and its
+    helpers share one team (csrc/cpu/team.h) and take `chunk` units at a time from it, so a helper that wakes late
+    (its core busy with the router or the gateway) leaves the work to this thread instead of holding it up; this
+    thread returns once every unit is done, with the first error status of any. ctypes lets go of the GIL during
+    each call, so the threads run at once."""
+    threads = min(threads or torch.get_num_threads(), -(-n // chunk), _CPUS)
     if threads <= 1:
-        fn(0, n)
-        return
+        return op(0, n, None, 1)
+    team = (ctypes.c_int64 * 6)(0, n, chunk, 0, 0, 0)   # next, total, chunk, active, closed, status
     ex = _executor()
-    bounds = [n * i // threads for i in range(threads + 1)]
-    futures = [ex.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, threads)]
-    fn(bounds[0], bounds[1])
-    for f in futures:
-        f.result()
+    for _ in range(threads - 1):
+        ex.submit(_help, op, n, team)
+    return op(0, n, ctypes.addressof(team), 1)
+
+
+def _help(op, n: int, team) -> None:
+    """A helper's share: whatever is left when it starts (`team` is held here until it returns)."""
+    op(0, n, ctypes.addressof(team), 0)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -155,7 +162,7 @@ def _int4_linear(x: torch.Tensor, weight: NativeInt4Weight) -> torch.Tensor:
     y = torch.empty(xb.shape[0], n, dtype=torch.bfloat16)
     lib, args = _lib(), (weight.codes.data_ptr(), weight.scale_zeros.data_ptr(), n, k, xb.data_ptr(), xb.shape[0],
                          y.data_ptr())
-    _over_threads(weight.codes.shape[0], lambda a, b: _status(lib.int4_gemm(*args, a, b)))
+    _status(_parallel(weight.codes.shape[0], lambda a, b, team, owner: lib.int4_gemm(*args, a, b, team, owner)))
     return y.to(x.dtype)
 
 
@@ -171,7 +178,8 @@ def _int8_linear(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     y = torch.empty(x.shape[0], n, dtype=x.dtype)
     lib, args = _lib(), (weight.weight.data_ptr(), weight.scale.data_ptr(), n, k, x.data_ptr(), x.shape[0],
                          _DT[x.dtype], y.data_ptr())
-    _over_threads(n, lambda a, b: _status(lib.int8_gemm(*args, a, b), "int8 GEMM"), _head_threads[0])
+    _status(_parallel(n, lambda a, b, team, owner: lib.int8_gemm(*args, a, b, team, owner), _head_threads[0],
+                      INT8_ROWS))
     return y
 
 
@@ -247,7 +255,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     nd = meta.num_decodes
     hq, d = q.shape[1:]
     hkv = k_cache.shape[2]
-    if not (nd and _native(q, k_cache, v_cache, out) and hq % hkv == 0 and hq // hkv <= MAX_GQA
+    if not (nd and _native(q, k_cache, v_cache, out) and hq % hkv == 0
             and meta.block_tables.dtype == torch.int64 and meta.block_tables.is_contiguous()):
         return reference.paged_attention(q, k_cache, v_cache, meta, scale, out, window, softcap)
     assert window is None or window > 0, f"a sliding window holds at least one position, got {window}"
@@ -258,6 +266,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     lib, args = _lib(), (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0],
                          meta.block_tables.data_ptr(), meta.block_tables.shape[1], lens.data_ptr())
     rest = (hq, hkv, d, k_cache.shape[1], scale, window or 0, softcap or 0.0, _DT[q.dtype], out.data_ptr())
-    _over_threads(nd, lambda a, b: _status(lib.decode_attention(*args, a, b, *rest), "a block id or context"))
+    _status(_parallel(nd, lambda a, b, team, owner: lib.decode_attention(*args, a, b, *rest, team, owner)),
+            "a block id or context")
     prefill_attention(q, k_cache, v_cache, meta, scale, out, window, softcap)
     return out

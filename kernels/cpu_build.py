@@ -33,10 +33,10 @@ SIGNATURES = {
     "add_rms_norm": [P, P, P, P, F, I, I, I, P],
     "gated_act": [P, I, I, I, I, P],
     "rotary_write_kv": [P, P, P, P, I64, I64, I64, P, I64, I, I, I, I, I, P, P, I64, P, P],
-    "decode_attention": [P, P, P, I64, P, I, P, I, I, I, I, I, I, F, I, F, I, P],
-    "int4_gemm": [P, P, I, I, P, I, P, I, I],
+    "decode_attention": [P, P, P, I64, P, I, P, I, I, I, I, I, I, F, I, F, I, P, P, I],
+    "int4_gemm": [P, P, I, I, P, I, P, I, I, P, I],
     "int4_gemm_native": [],
-    "int8_gemm": [P, P, I, I, P, I, I, P, I, I],
+    "int8_gemm": [P, P, I, I, P, I, I, P, I, I, P, I],
     "int8_gemm_native": [],
     "decode_layers": [P, P, I, P, P, P, I, P, P, P],
 }

@@ -121,16 +121,16 @@ def test_the_output_head_takes_the_engine_threads_in_a_one_thread_step(C):
     w8, x = quantize_int8(torch.randn(4096, 64), torch.bfloat16), torch.randn(1, 64).bfloat16()
     seen = []
     before = torch.get_num_threads()
-    real_split, real_linear = cpu._over_threads, R.linear
+    real_split, real_linear = cpu._parallel, R.linear
     try:
-        cpu._over_threads = lambda n, fn, threads=None: seen.append(threads) or real_split(n, fn, threads)
+        cpu._parallel = lambda n, op, threads=None, chunk=1: seen.append(threads) or real_split(n, op, threads, chunk)
         cpu.reference.linear = lambda *a: seen.append(torch.get_num_threads()) or real_linear(*a)
         cpu.set_head_threads(2)
         torch.set_num_threads(1)
         got = C.linear(x, w8)
         after = torch.get_num_threads()
     finally:
-        cpu._over_threads, cpu.reference.linear = real_split, real_linear
+        cpu._parallel, cpu.reference.linear = real_split, real_linear
         torch.set_num_threads(before)
     assert seen == [2] and after == 1
     assert rel(got.float(), R.linear(x, w8).float()) < 1e-2
@@ -198,3 +198,50 @@ def test_an_index_out_of_range_raises_and_writes_nothing(C):
     with pytest.raises(IndexError, match="block id"):
         C.paged_attention(q, kc, vc, long, 0.125, out)
     assert not out.any()
+
+
+def _team(total: int, chunk: int = 1, closed: int = 0):
+    import ctypes
+
+    return (ctypes.c_int64 * 6)(0, total, chunk, 0, closed, 0)      # next, total, chunk, active, closed, status
+
+
+def test_a_team_shares_rows_and_a_late_helper_touches_nothing(C):
+    """csrc/cpu/team.h: an owner alone takes every unit; a helper that arrives once the team is closed returns
+    without writing; rows split over two threads give the one-thread bits; a bad block id fails the team."""
+    import ctypes
+
+    from mii_async.kernels import cpu
+
+    lens, hq, hkv, d, bs, nblocks = [33, 1, 70, 16, 5, 90, 64], 9, 3, 64, 16, 48
+    kc, vc = torch.randn(nblocks, bs, hkv, d).bfloat16(), torch.randn(nblocks, bs, hkv, d).bfloat16()
+    q = torch.randn(len(lens), hq, d).bfloat16()
+    meta = _meta(lens, bs, nblocks)
+    lib, ctx = cpu._lib(), torch.tensor(lens)
+    args = (q.data_ptr(), kc.data_ptr(), vc.data_ptr(), nblocks, meta.block_tables.data_ptr(),
+            meta.block_tables.shape[1], ctx.data_ptr())
+
+    def run(team, owner):
+        out = torch.full_like(q, float("nan"))
+        rc = lib.decode_attention(*args, 0, len(lens), hq, hkv, d, bs, 0.125, 0, 0.0, 1, out.data_ptr(),
+                                  ctypes.addressof(team) if team is not None else None, owner)
+        return rc, out
+
+    rc, alone = run(None, 1)
+    assert rc == 0 and not torch.isnan(alone).any()
+    rc, owned = run(_team(len(lens), 2), 1)
+    assert rc == 0 and torch.equal(owned, alone)
+    rc, late = run(_team(len(lens), 2, closed=1), 0)
+    assert rc == 0 and torch.isnan(late).all()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        shared = C.paged_attention(q, kc, vc, meta, 0.125, torch.full_like(q, float("nan")))
+        assert torch.equal(shared, alone)
+        bad = _meta(lens, bs, nblocks)
+        bad.block_tables[5, 0] = nblocks + 3
+        with pytest.raises(IndexError, match="out of range"):
+            C.paged_attention(q, kc, vc, bad, 0.125)
+        assert torch.equal(C.paged_attention(q, kc, vc, meta, 0.125), alone)
+    finally:
+        torch.set_num_threads(before)

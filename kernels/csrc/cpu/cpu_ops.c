@@ -14,6 +14,8 @@
 #include <string.h>
 #include <math.h>
 
+#include "team.h"
+
 static inline float bf16_to_f32(uint16_t h) {
     union { uint32_t u; float f; } v = { (uint32_t)h << 16 };
     return v.f;
@@ -195,87 +197,110 @@ static void values_avx512(const float* sc, int64_t ld, int gn, int nv, const voi
 /* Decode attention: rows [r0, r1) (one query token each) of q [R, Hq, D] over their keys, read in place from the
  * caches [N, bs, Hkv, D] through its block table (tables [R, W]); keys [lo, clen) with lo = clen - window under a
  * window; softcap > 0: scores → softcap·tanh(score / softcap). fp32 scores and softmax, out [R, Hq, D]. Returns
- * -2, nothing written, if a row's context passes its table or a block id it reads is not in [0, N).
+ * -2, nothing written, if a row's context passes its table or a block id it reads is not in [0, N). With a team
+ * (team.h) the rows are its units, [r0, r1) ignored.
  * A KV head's G query heads are scored together against each key as it is read; the scores sit [G][keys] so
  * that the exponentials run over contiguous keys. */
-int decode_attention(const void* q, const void* k_cache, const void* v_cache, int64_t N, const int64_t* tables,
-                     int W, const int64_t* context_lens, int r0, int r1, int Hq, int Hkv, int D, int bs, float scale,
-                     int window, float softcap, int dt, void* out) {
-    for (int r = r0; r < r1; r++) {
-        int64_t clen = context_lens[r], lo = window > 0 && clen > window ? clen - window : 0;
-        if (clen < 1 || clen > (int64_t)W * bs) return -2;
-        for (int64_t b = lo / bs; b < (clen + bs - 1) / bs; b++)
-            if (tables[(int64_t)r * W + b] < 0 || tables[(int64_t)r * W + b] >= N) return -2;
-    }
-    int G = Hq / Hkv;
+typedef struct {
+    const void *q, *k_cache, *v_cache;
+    const int64_t *tables, *context_lens;
+    int W, Hq, Hkv, D, bs, window, dt, G, wide, chunk;
+    float scale, softcap;
+    void* out;
+    float *sc, *qf, *acc, *kv;      /* this thread's scratch */
+} Attend;
+
+/* Row r: each KV head's G query heads over the row's keys. */
+static void attend_row(const Attend* c, int64_t r) {
+    const int Hq = c->Hq, Hkv = c->Hkv, D = c->D, G = c->G, bs = c->bs, dt = c->dt;
+    float *sc = c->sc, *qf = c->qf, *acc = c->acc, *kv = c->kv;
+    int64_t clen = c->context_lens[r], lo = c->window > 0 && clen > c->window ? clen - c->window : 0, n = clen - lo;
+    const int64_t* tab = c->tables + r * c->W;
+    for (int h = 0; h < Hkv; h++) {
+        load_row(c->q, (r * Hq + (int64_t)h * G) * D, G * D, dt, qf);
 #if defined(__AVX512F__)
-    /* head dims of 16..256 in 16s: the vector path, query heads taken `chunk` at a time (16 registers each) */
-    int wide = D % 16 == 0 && D <= 256, chunk = wide ? (256 / D > 1 ? 256 / D : 1) : 1;
+        if (c->wide) {
+            for (int g0 = 0; g0 < G; g0 += c->chunk)
+                scores_avx512(qf + g0 * D, G - g0 < c->chunk ? G - g0 : c->chunk, D / 16, c->k_cache, tab, bs, lo, n,
+                              Hkv, h, dt, c->scale, sc + (int64_t)g0 * n, n);
+        } else
 #endif
-    int64_t maxc = 0;
-    for (int r = r0; r < r1; r++) if (context_lens[r] > maxc) maxc = context_lens[r];
-    float* sc = (float*)malloc((size_t)(maxc > 0 ? maxc : 1) * G * sizeof(float));
-    float* qf = (float*)malloc((size_t)G * D * sizeof(float));
-    float* acc = (float*)malloc((size_t)G * D * sizeof(float));
-    float* kv = (float*)malloc((size_t)D * sizeof(float));
-    if (!sc || !qf || !acc || !kv) {
-        free(sc); free(qf); free(acc); free(kv);
-        return -1;
-    }
-    for (int r = r0; r < r1; r++) {
-        int64_t clen = context_lens[r], lo = window > 0 && clen > window ? clen - window : 0, n = clen - lo;
-        const int64_t* tab = tables + (int64_t)r * W;
-        for (int h = 0; h < Hkv; h++) {
-            load_row(q, ((int64_t)r * Hq + (int64_t)h * G) * D, G * D, dt, qf);
-#if defined(__AVX512F__)
-            if (wide) {
-                for (int g0 = 0; g0 < G; g0 += chunk)
-                    scores_avx512(qf + g0 * D, G - g0 < chunk ? G - g0 : chunk, D / 16, k_cache, tab, bs, lo, n,
-                                  Hkv, h, dt, scale, sc + (int64_t)g0 * n, n);
-            } else
-#endif
-            for (int64_t j = 0; j < n; j++) {
-                load_row(k_cache, key_offset(tab, bs, lo + j, Hkv, h, D), D, dt, kv);
-                for (int g = 0; g < G; g++) {
-                    const float* qq = qf + g * D;
-                    float s = 0;
-                    for (int i = 0; i < D; i++) s += qq[i] * kv[i];
-                    sc[(int64_t)g * n + j] = s * scale;
-                }
-            }
+        for (int64_t j = 0; j < n; j++) {
+            load_row(c->k_cache, key_offset(tab, bs, lo + j, Hkv, h, D), D, dt, kv);
             for (int g = 0; g < G; g++) {
-                float* row = sc + (int64_t)g * n;
-                if (softcap > 0)
-                    for (int64_t j = 0; j < n; j++) row[j] = softcap * tanhf(row[j] / softcap);
-                float mx = -INFINITY, sum = 0;
-                for (int64_t j = 0; j < n; j++) mx = row[j] > mx ? row[j] : mx;
-                for (int64_t j = 0; j < n; j++) { row[j] = exp_clamped(row[j] - mx); sum += row[j]; }
-                float inv = 1.0f / sum;
-                for (int64_t j = 0; j < n; j++) row[j] *= inv;
+                const float* qq = qf + g * D;
+                float s = 0;
+                for (int i = 0; i < D; i++) s += qq[i] * kv[i];
+                sc[(int64_t)g * n + j] = s * c->scale;
             }
+        }
+        for (int g = 0; g < G; g++) {
+            float* row = sc + (int64_t)g * n;
+            if (c->softcap > 0)
+                for (int64_t j = 0; j < n; j++) row[j] = c->softcap * tanhf(row[j] / c->softcap);
+            float mx = -INFINITY, sum = 0;
+            for (int64_t j = 0; j < n; j++) mx = row[j] > mx ? row[j] : mx;
+            for (int64_t j = 0; j < n; j++) { row[j] = exp_clamped(row[j] - mx); sum += row[j]; }
+            float inv = 1.0f / sum;
+            for (int64_t j = 0; j < n; j++) row[j] *= inv;
+        }
 #if defined(__AVX512F__)
-            if (wide) {
-                for (int g0 = 0; g0 < G; g0 += chunk)
-                    values_avx512(sc + (int64_t)g0 * n, n, G - g0 < chunk ? G - g0 : chunk, D / 16, v_cache, tab,
-                                  bs, lo, n, Hkv, h, dt, acc + g0 * D);
-            } else
+        if (c->wide) {
+            for (int g0 = 0; g0 < G; g0 += c->chunk)
+                values_avx512(sc + (int64_t)g0 * n, n, G - g0 < c->chunk ? G - g0 : c->chunk, D / 16, c->v_cache, tab,
+                              bs, lo, n, Hkv, h, dt, acc + g0 * D);
+        } else
 #endif
-            {
+        {
             memset(acc, 0, (size_t)G * D * sizeof(float));
             for (int64_t j = 0; j < n; j++) {
-                load_row(v_cache, key_offset(tab, bs, lo + j, Hkv, h, D), D, dt, kv);
+                load_row(c->v_cache, key_offset(tab, bs, lo + j, Hkv, h, D), D, dt, kv);
                 for (int g = 0; g < G; g++) {
                     float p = sc[(int64_t)g * n + j];
                     float* a = acc + g * D;
                     for (int i = 0; i < D; i++) a[i] += p * kv[i];
                 }
             }
-            }
-            for (int g = 0; g < G; g++)
-                for (int i = 0; i < D; i++)
-                    store(out, ((int64_t)r * Hq + (int64_t)h * G + g) * D + i, acc[g * D + i], dt);
         }
+        for (int g = 0; g < G; g++)
+            for (int i = 0; i < D; i++)
+                store(c->out, (r * Hq + (int64_t)h * G + g) * D + i, acc[g * D + i], dt);
     }
-    free(sc); free(qf); free(acc); free(kv);
-    return 0;
+}
+
+int decode_attention(const void* q, const void* k_cache, const void* v_cache, int64_t N, const int64_t* tables,
+                     int W, const int64_t* context_lens, int r0, int r1, int Hq, int Hkv, int D, int bs, float scale,
+                     int window, float softcap, int dt, void* out, Team* team, int owner) {
+    if (team && !owner && !team_join(team)) return 0;
+    if (team) { r0 = 0; r1 = (int)team->total; }     /* every thread checks every row before any writes */
+    int rc = 0;
+    for (int r = r0; r < r1 && !rc; r++) {
+        int64_t clen = context_lens[r], lo = window > 0 && clen > window ? clen - window : 0;
+        if (clen < 1 || clen > (int64_t)W * bs) rc = -2;
+        for (int64_t b = lo / bs; !rc && b < (clen + bs - 1) / bs; b++)
+            if (tables[(int64_t)r * W + b] < 0 || tables[(int64_t)r * W + b] >= N) rc = -2;
+    }
+    Attend c = {q, k_cache, v_cache, tables, context_lens, W, Hq, Hkv, D, bs, window, dt, Hq / Hkv, 0, 1, scale,
+                softcap, out, NULL, NULL, NULL, NULL};
+#if defined(__AVX512F__)
+    /* head dims of 16..256 in 16s: the vector path, query heads taken `chunk` at a time (16 registers each) */
+    c.wide = D % 16 == 0 && D <= 256;
+    c.chunk = c.wide && 256 / D > 1 ? 256 / D : 1;
+#endif
+    int64_t maxc = 0;
+    for (int r = r0; r < r1; r++) if (context_lens[r] > maxc) maxc = context_lens[r];
+    if (!rc) {
+        c.sc = (float*)malloc((size_t)(maxc > 0 ? maxc : 1) * c.G * sizeof(float));
+        c.qf = (float*)malloc((size_t)c.G * D * sizeof(float));
+        c.acc = (float*)malloc((size_t)c.G * D * sizeof(float));
+        c.kv = (float*)malloc((size_t)D * sizeof(float));
+        if (!c.sc || !c.qf || !c.acc || !c.kv) rc = -1;
+    }
+    if (!rc) {
+        int64_t from = r0, to = r1;
+        if (!team) for (int64_t r = from; r < to; r++) attend_row(&c, r);
+        else while (team_take(team, &from, &to)) for (int64_t r = from; r < to; r++) attend_row(&c, r);
+    }
+    free(c.sc); free(c.qf); free(c.acc); free(c.kv);
+    return team ? team_end(team, owner, rc) : rc;
 }

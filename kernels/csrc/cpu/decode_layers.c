@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "team.h"
+
 int add_rms_norm(const void* x, const void* residual, void* residual_out, const void* weight, float eps,
                  int T, int H, int dt, void* out);
 void gated_act(const void* x, int T, int F, int dt, int gelu, void* out);
@@ -14,9 +16,9 @@ int rotary_write_kv(const int64_t* positions, const void* q, const void* k, cons
                     void* k_cache, void* v_cache, int64_t S, const int64_t* slots, void* q_out);
 int decode_attention(const void* q, const void* k_cache, const void* v_cache, int64_t N, const int64_t* tables,
                      int W, const int64_t* context_lens, int r0, int r1, int Hq, int Hkv, int D, int bs, float scale,
-                     int window, float softcap, int dt, void* out);
+                     int window, float softcap, int dt, void* out, Team* team, int owner);
 int int4_gemm(const uint8_t* codes, const uint16_t* sz, int N, int K, const uint16_t* x, int M, uint16_t* y,
-              int b0, int b1);
+              int b0, int b1, Team* team, int owner);
 
 /* One layer's weights (NativeInt4Weight codes and scales, bf16 norms) and its caches [N, bs, Hkv, D] bf16. */
 typedef struct {
@@ -63,17 +65,17 @@ int decode_layers(const DecodeLayer* layers, const DecodeShape* s, int T, const 
         } else {
             rc = add_rms_norm(h, residual, residual, y->attn_norm, s->eps, T, H, 1, normed);
         }
-        if (rc || (rc = int4_gemm(y->qkv, y->qkv_sz, nqkv, H, normed, T, qkv, 0, nqkv / 64))) break;
+        if (rc || (rc = int4_gemm(y->qkv, y->qkv_sz, nqkv, H, normed, T, qkv, 0, nqkv / 64, NULL, 1))) break;
         rc = rotary_write_kv(positions, qkv, qkv + Hq * D, qkv + (Hq + Hkv) * D, nqkv, nqkv, nqkv, y->cos_sin, s->P,
                              T, Hq, Hkv, D, 1, y->k_cache, y->v_cache, S, slots, q);
         if (rc) break;
         rc = decode_attention(q, y->k_cache, y->v_cache, s->N, tables, W, context_lens, 0, T, Hq, Hkv, D, s->bs,
-                              s->scale, (int)y->window, s->softcap, 1, attn);
-        if (rc || (rc = int4_gemm(y->o, y->o_sz, H, Hq * D, attn, T, h, 0, H / 64))) break;
+                              s->scale, (int)y->window, s->softcap, 1, attn, NULL, 1);
+        if (rc || (rc = int4_gemm(y->o, y->o_sz, H, Hq * D, attn, T, h, 0, H / 64, NULL, 1))) break;
         if ((rc = add_rms_norm(h, residual, residual, y->mlp_norm, s->eps, T, H, 1, normed))) break;
-        if ((rc = int4_gemm(y->gate_up, y->gate_up_sz, 2 * F, H, normed, T, gu, 0, 2 * F / 64))) break;
+        if ((rc = int4_gemm(y->gate_up, y->gate_up_sz, 2 * F, H, normed, T, gu, 0, 2 * F / 64, NULL, 1))) break;
         gated_act(gu, T, F, 1, s->gelu, act);
-        rc = int4_gemm(y->down, y->down_sz, H, F, act, T, h, 0, H / 64);
+        rc = int4_gemm(y->down, y->down_sz, H, F, act, T, h, 0, H / 64, NULL, 1);
     }
     free(normed); free(qkv); free(q); free(attn); free(gu); free(act);
     return rc;

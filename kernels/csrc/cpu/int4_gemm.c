@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "team.h"
+
 #define GROUP 32
 #define BLOCK 64
 #define MB 4            /* rows of x sharing one decode of the weights */
@@ -82,26 +84,14 @@ static inline __attribute__((always_inline)) void block_rows(
 }
 #endif
 
-/* y rows' columns of the 64-row blocks [b0, b1); x [M, K] bf16, y [M, N] bf16. 0, or -1 out of memory. */
-int int4_gemm(const uint8_t* codes, const uint16_t* sz, int N, int K, const uint16_t* x, int M, uint16_t* y,
-              int b0, int b1) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
+static void gemm_blocks(const uint8_t* codes, const uint16_t* sz, int N, int K, const uint16_t* x, const float* xs,
+                        int M, uint16_t* y, int64_t b0, int64_t b1) {
     const int G = K / GROUP;
-    float* xs = (float*)malloc((size_t)M * G * sizeof(float));
-    if (!xs) return -1;
-    for (int m = 0; m < M; m++)
-        for (int g = 0; g < G; g++) {
-            float s = 0;
-            for (int i = 0; i < GROUP; i++) {
-                union { uint32_t u; float f; } v = { (uint32_t)x[(int64_t)m * K + g * GROUP + i] << 16 };
-                s += v.f;
-            }
-            xs[(int64_t)m * G + g] = s;
-        }
     float out[MB * BLOCK];
-    for (int b = b0; b < b1; b++) {
-        const uint8_t* cb = codes + (int64_t)b * (K / 2) * 64;
-        const uint16_t* sb = sz + (int64_t)b * G * 2 * BLOCK;
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t* cb = codes + b * (K / 2) * 64;
+        const uint16_t* sb = sz + b * G * 2 * BLOCK;
         for (int m0 = 0; m0 < M; m0 += MB) {
             int mb = M - m0 < MB ? M - m0 : MB;
             const uint16_t* xm = x + (int64_t)m0 * K;
@@ -114,13 +104,40 @@ int int4_gemm(const uint8_t* codes, const uint16_t* sz, int N, int K, const uint
             }
             for (int m = 0; m < mb; m++)
                 for (int j = 0; j < BLOCK; j++)
-                    y[(int64_t)(m0 + m) * N + (int64_t)b * BLOCK + j] = to_bf16(out[m * BLOCK + j]);
+                    y[(int64_t)(m0 + m) * N + b * BLOCK + j] = to_bf16(out[m * BLOCK + j]);
         }
     }
+}
+#endif
+
+/* y rows' columns of the 64-row blocks [b0, b1) (with a team, team.h: its units are the blocks); x [M, K] bf16,
+ * y [M, N] bf16. 0, -1 out of memory, -3 not built for this CPU. */
+int int4_gemm(const uint8_t* codes, const uint16_t* sz, int N, int K, const uint16_t* x, int M, uint16_t* y,
+              int b0, int b1, Team* team, int owner) {
+    if (team && !owner && !team_join(team)) return 0;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    const int G = K / GROUP;
+    int rc = 0;
+    float* xs = (float*)malloc((size_t)M * G * sizeof(float));
+    if (!xs) rc = -1;
+    for (int m = 0; !rc && m < M; m++)
+        for (int g = 0; g < G; g++) {
+            float s = 0;
+            for (int i = 0; i < GROUP; i++) {
+                union { uint32_t u; float f; } v = { (uint32_t)x[(int64_t)m * K + g * GROUP + i] << 16 };
+                s += v.f;
+            }
+            xs[(int64_t)m * G + g] = s;
+        }
+    if (!rc) {
+        int64_t from = b0, to = b1;
+        if (!team) gemm_blocks(codes, sz, N, K, x, xs, M, y, from, to);
+        else while (team_take(team, &from, &to)) gemm_blocks(codes, sz, N, K, x, xs, M, y, from, to);
+    }
     free(xs);
-    return 0;
+    return team ? team_end(team, owner, rc) : rc;
 #else
     (void)codes; (void)sz; (void)N; (void)K; (void)x; (void)M; (void)y; (void)b0; (void)b1;
-    return -3;
+    return team ? team_end(team, owner, -3) : -3;
 #endif
 }

@@ -12,6 +12,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "team.h"
+
 int int8_gemm_native(void) {
 #if defined(__AVX512F__)
     return 1;
@@ -92,40 +94,33 @@ static void rows_bf16(const int8_t* w, int K, const uint16_t* x, int M, int n, i
 #endif
 #endif
 
-/* Columns [n0, n1) of y. Returns 0, -1 out of memory, -3 not built for this CPU or K not a multiple of 16. */
-int int8_gemm(const int8_t* w, const void* scale, int N, int K, const void* x, int M, int dt, void* y, int n0,
-              int n1) {
 #if defined(__AVX512F__)
-    if (K % 16) return -3;
+static int gemm_rows(const int8_t* w, const void* scale, int N, int K, const void* x, int M, int dt, void* y,
+                     int64_t n0, int64_t n1, const float* xf, uint16_t* wb) {
 #if defined(__AVX512BF16__)
-    if (M > 1 && dt == 1 && K % 32 == 0) {
-        uint16_t* wb = (uint16_t*)malloc((size_t)RB * K * sizeof(uint16_t));
-        if (!wb) return -1;
-        for (int n = n0; n < n1; n += RB) {
-            int rb = n1 - n < RB ? n1 - n : RB;
+    if (wb) {
+        for (int64_t n = n0; n < n1; n += RB) {
+            int rb = n1 - n < RB ? (int)(n1 - n) : RB;
             for (int m0 = 0; m0 < M; m0 += MB) {
                 int mb = M - m0 < MB ? M - m0 : MB;
                 float out[RB][MB];
-                rows_bf16(w, K, (const uint16_t*)x, M, n, rb, wb, out, m0, mb);
+                rows_bf16(w, K, (const uint16_t*)x, M, (int)n, rb, wb, out, m0, mb);
                 for (int r = 0; r < rb; r++)
                     for (int m = 0; m < mb; m++)
                         to_dt(y, (int64_t)(m0 + m) * N + n + r, out[r][m] * from_dt(scale, n + r, dt), dt);
             }
         }
-        free(wb);
         return 0;
     }
 #endif
-    float* xf = (float*)malloc((size_t)M * K * sizeof(float));
-    if (!xf) return -1;
-    for (int64_t i = 0; i < (int64_t)M * K; i++) xf[i] = from_dt(x, i, dt);
+    (void)x; (void)wb;
     for (int m0 = 0; m0 < M; m0 += MB) {
         int mb = M - m0 < MB ? M - m0 : MB;
         const float* xm = xf + (int64_t)m0 * K;
-        for (int n = n0; n < n1; n += RB) {
-            int rb = n1 - n < RB ? n1 - n : RB;
+        for (int64_t n = n0; n < n1; n += RB) {
+            int rb = n1 - n < RB ? (int)(n1 - n) : RB;
             float out[RB][MB];
-            const int8_t* wn = w + (int64_t)n * K;
+            const int8_t* wn = w + n * K;
             if (rb == RB && mb == 1) tile(wn, K, xm, RB, 1, out);
             else if (rb == RB && mb == MB) tile(wn, K, xm, RB, MB, out);
             else tile(wn, K, xm, rb, mb, out);
@@ -134,10 +129,40 @@ int int8_gemm(const int8_t* w, const void* scale, int N, int K, const void* x, i
                     to_dt(y, (int64_t)(m0 + m) * N + n + r, out[r][m] * from_dt(scale, n + r, dt), dt);
         }
     }
-    free(xf);
     return 0;
+}
+#endif
+
+/* Columns [n0, n1) of y (with a team, team.h: its units are the rows of W, taken in multiples of 4). Returns 0,
+ * -1 out of memory, -3 not built for this CPU or K not a multiple of 16. */
+int int8_gemm(const int8_t* w, const void* scale, int N, int K, const void* x, int M, int dt, void* y, int n0,
+              int n1, Team* team, int owner) {
+    if (team && !owner && !team_join(team)) return 0;
+#if defined(__AVX512F__)
+    int rc = K % 16 ? -3 : 0;
+    float* xf = NULL;
+    uint16_t* wb = NULL;
+#if defined(__AVX512BF16__)
+    if (!rc && M > 1 && dt == 1 && K % 32 == 0) {
+        wb = (uint16_t*)malloc((size_t)RB * K * sizeof(uint16_t));
+        if (!wb) rc = -1;
+    } else
+#endif
+    if (!rc) {
+        xf = (float*)malloc((size_t)M * K * sizeof(float));
+        if (!xf) rc = -1;
+        for (int64_t i = 0; !rc && i < (int64_t)M * K; i++) xf[i] = from_dt(x, i, dt);
+    }
+    if (!rc) {
+        int64_t from = n0, to = n1;
+        if (!team) gemm_rows(w, scale, N, K, x, M, dt, y, from, to, xf, wb);
+        else while (team_take(team, &from, &to)) gemm_rows(w, scale, N, K, x, M, dt, y, from, to, xf, wb);
+    }
+    free(xf);
+    free(wb);
+    return team ? team_end(team, owner, rc) : rc;
 #else
     (void)w; (void)scale; (void)N; (void)K; (void)x; (void)M; (void)dt; (void)y; (void)n0; (void)n1;
-    return -3;
+    return team ? team_end(team, owner, -3) : -3;
 #endif
 }
