@@ -100,14 +100,13 @@ class SchedulerConfig:
     max_mixed_batch_tokens: int | None = None  # the budget of a step that carries decodes, whose length is every
                                          # running stream's inter-token gap: prompt chunks beside decodes stop
                                          # here (decodes themselves are never held back by it); at most
-                                         # max_batch_tokens; None: on a GPU 1536, on CPU
-                                         # max_batch_tokens (no separate budget)
+                                         # max_batch_tokens; None: 1536 on a GPU, 256 on CPU
     step_token_multiple: int | None = None  # a step with prompt chunks is cut to a multiple of this many tokens
                                          # (the GEMMs' tile along tokens, the piecewise graphs' bucket) where its
                                          # newest chunk can give up the rest, which goes to the next step; None:
                                          # 64 on a GPU, not cut on CPU; 1: not cut
 
-    DEFAULTS = {"cpu": (512, 64, None, None), "cuda": (2048, 256, 1536, 64)}
+    DEFAULTS = {"cpu": (512, 64, 256, None), "cuda": (2048, 256, 1536, 64)}
 
     def __post_init__(self) -> None:
         _pos_int(self, "max_batch_tokens", optional=True)

@@ -85,9 +85,10 @@ def test_mixed_budget_defaults():
     """The mixed budget: 1536 on a GPU, none of its own on CPU, never above max_batch_tokens."""
     from mii_async.config import SchedulerConfig
     assert SchedulerConfig().resolved("cuda").max_mixed_batch_tokens == 1536
-    assert SchedulerConfig().resolved("cpu").max_mixed_batch_tokens == 512
+    assert SchedulerConfig().resolved("cpu").max_mixed_batch_tokens == 256
     assert SchedulerConfig(max_batch_tokens=1024).resolved("cuda").max_mixed_batch_tokens == 1024
-    assert SchedulerConfig(max_batch_tokens=4096).resolved("cpu").max_mixed_batch_tokens == 4096
+    assert SchedulerConfig(max_batch_tokens=4096).resolved("cpu").max_mixed_batch_tokens == 256
+    assert SchedulerConfig(max_batch_tokens=128).resolved("cpu").max_mixed_batch_tokens == 128
     assert SchedulerConfig(max_mixed_batch_tokens=256).resolved("cuda").max_mixed_batch_tokens == 256
     assert SchedulerConfig().resolved("cuda").step_token_multiple == 64            # the piecewise buckets' step
     assert SchedulerConfig().resolved("cpu").step_token_multiple is None
