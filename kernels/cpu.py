@@ -184,11 +184,10 @@ def _int8_linear(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The native int4 GEMM for an adopted int4 weight; torch's GEMMs otherwise (reference.linear: MKL/oneDNN for
-    dense weights, its int8 weight-only kernel). The output head (the int8 weight of int4's scheme) runs on the
-    engine's threads even in a batch-1 step, which the engine otherwise runs on one: it is a fifth of the step's
-    bytes in one GEMM, so a second thread halves it for one fork and join (the default model's step: 20.8 -> 19.3
-    ms, passive wait, 2 cores)."""
+    """The native GEMMs for an adopted int4 weight and for the int8 head; torch's otherwise (reference.linear:
+    MKL/oneDNN for dense weights, its int8 kernel where the native one does not apply). The output head (the int8
+    weight of int4's scheme) runs on the engine's threads even in a batch-1 step, which the engine otherwise runs
+    on one: it is a fifth of the step's bytes in one GEMM, worth a second thread."""
     if type(weight) is NativeInt4Weight:
         y = _int4_linear(x, weight)
         return y + bias if bias is not None else y

@@ -177,8 +177,12 @@ class DecoderModel(ABC):
             return None
         built = self.__dict__.get("_fused")
         if built is None or built[0] is not make or built[1] is not kv_caches:
-            plain = self.tp is None and all(
-                type(y.mlp) is GatedMLP and y.post_attn_norm is None and y.post_mlp_norm is None
+            cls = type(self)
+            plain = self.tp is None and all(   # the layers and the step as this class computes them, unchanged
+                getattr(cls, name) is getattr(DecoderModel, name)
+                for name in ("pre_attention", "attention", "post_attention", "head")) and all(
+                type(y) is DecoderLayer and type(y.attn) is Attention and type(y.mlp) is GatedMLP
+                and y.post_attn_norm is None and y.post_mlp_norm is None
                 and y.attn.qkv_bias is None and y.attn.o_bias is None and y.attn.q_norm is None
                 and y.attn.k_norm is None and y.attn.norm.eps == y.mlp.norm.eps == self.layers[0].attn.norm.eps
                 and y.mlp.act == self.layers[0].mlp.act and y.attn.softcap == self.layers[0].attn.softcap
