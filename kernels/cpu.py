@@ -160,6 +160,8 @@ def _int4_linear(x: torch.Tensor, weight: NativeInt4Weight) -> torch.Tensor:
         raise ValueError(f"an int4 projection of {k} columns takes x [T, {k}], got {list(x.shape)}")
     xb = x.to(torch.bfloat16).contiguous()
     y = torch.empty(xb.shape[0], n, dtype=torch.bfloat16)
+    if not xb.shape[0]:                 # no rows (a step that samples none): nothing for the C code to read
+        return y.to(x.dtype)
     lib, args = _lib(), (weight.codes.data_ptr(), weight.scale_zeros.data_ptr(), n, k, xb.data_ptr(), xb.shape[0],
                          y.data_ptr())
     _status(_parallel(weight.codes.shape[0], lambda a, b, team, owner: lib.int4_gemm(*args, a, b, team, owner)))
@@ -176,6 +178,8 @@ def _int8_linear(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     """x [T, K] · (int8 rows · scale)ᵀ natively, the rows split over the head's threads (set_head_threads)."""
     n, k = weight.shape
     y = torch.empty(x.shape[0], n, dtype=x.dtype)
+    if not x.shape[0]:
+        return y
     lib, args = _lib(), (weight.weight.data_ptr(), weight.scale.data_ptr(), n, k, x.data_ptr(), x.shape[0],
                          _DT[x.dtype], y.data_ptr())
     _status(_parallel(n, lambda a, b, team, owner: lib.int8_gemm(*args, a, b, team, owner), _head_threads[0],

@@ -135,3 +135,14 @@ def test_the_int8_head_gemm_matches_the_dequantized_weights(n, k, m, dtype):
     assert err <= max(1.5 * torch_err, 1e-5), (float(err), float(torch_err))
     assert ((y.float() - want).abs() <= 0.01 * want.abs().max() + 1e-4).all()
 
+
+
+@needs_native
+def test_no_rows_give_no_rows():
+    """A step that samples no row hands the head (and may hand a projection) x [0, K]: y [0, N], nothing read."""
+    from mii_async.kernels.int_weight import quantize_int8
+
+    native = from_int4(quantize_int4(torch.randn(128, 64), torch.bfloat16))
+    assert cpu.linear(torch.empty(0, 64, dtype=torch.bfloat16), native).shape == (0, 128)
+    w8 = quantize_int8(torch.randn(96, 64), torch.bfloat16)
+    assert cpu.linear(torch.empty(0, 64, dtype=torch.bfloat16), w8).shape == (0, 96)
