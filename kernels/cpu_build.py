@@ -24,6 +24,7 @@ from pathlib import Path
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / "cpu" / name
                 for name in ("cpu_ops.c", "int4_gemm.c", "int8_gemm.c", "decode_layers.c"))
+HEADERS = tuple(Path(__file__).parent / "csrc" / "cpu" / name for name in ("bf16.h", "team.h"))
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11", "-fno-math-errno", "-fno-trapping-math",
          "-fassociative-math", "-fno-signed-zeros")
 ENV_DISABLE = "MII_ASYNC_CPU_KERNELS"   # "0": never build or load the library (the torch reference runs)
@@ -74,7 +75,7 @@ def cache_dir() -> Path:
 def build(cc: str, out_dir: Path) -> Path:
     """Compiles the sources into out_dir (an existing build of the same key is reused). Raises OSError or
     subprocess.CalledProcessError when the compiler fails."""
-    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + " ".join((cc, *FLAGS)).encode()
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES + HEADERS) + " ".join((cc, *FLAGS)).encode()
                          + _cpu_identity().encode())
     target = out_dir / f"cpu_ops-{key.hexdigest()[:16]}.so"
     if target.exists():

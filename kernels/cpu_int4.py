@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .int_weight import GROUP, Int4Weight, quantize_int4
+from .int_weight import GROUP, Int4Weight
 
 BLOCK = 64                  # rows a block of the layout holds (int4_gemm.c's BLOCK)
 
@@ -77,7 +77,3 @@ def pack(codes: torch.Tensor, sz: torch.Tensor) -> NativeInt4Weight:
     scales = sz.to(torch.bfloat16).reshape(n // BLOCK, BLOCK, k // GROUP, 2).permute(0, 2, 3, 1).contiguous()
     return NativeInt4Weight(lines, scales, torch.Size((n, k)))
 
-
-def quantize(w: torch.Tensor) -> NativeInt4Weight:
-    """w [N, K] (N a multiple of 64) quantized as quantize_int4 does, in this layout (tests, benchmarks)."""
-    return from_int4(quantize_int4(w, torch.bfloat16))

@@ -245,3 +245,22 @@ def test_a_team_shares_rows_and_a_late_helper_touches_nothing(C):
         assert torch.equal(C.paged_attention(q, kc, vc, meta, 0.125), alone)
     finally:
         torch.set_num_threads(before)
+
+
+def test_every_c_file_and_header_is_installed_and_keys_the_build():
+    """What the library is built from (its sources and the headers they include) ships in the package
+    (pyproject's package-data) and counts in the build's cache key: no file of csrc/cpu is left out of either."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    from mii_async.kernels import cpu_build
+
+    root = Path(__file__).resolve().parents[2]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "mii_async.kernels"]
+    csrc = root / "kernels" / "csrc" / "cpu"
+    on_disk = {p.name for p in csrc.iterdir() if p.suffix in (".c", ".h")}
+    assert on_disk == {p.name for p in cpu_build.SOURCES + cpu_build.HEADERS}
+    for name in on_disk:
+        assert any(fnmatch.fnmatch(f"csrc/cpu/{name}", pat) for pat in patterns), name

@@ -86,6 +86,7 @@ class DecoderModel(ABC):
         self.tp, self.shard = tp, shard
         self.num_heads, self.num_kv_heads = layers[0].attn.num_heads, layers[0].attn.num_kv_heads  # this rank's
         self.scale = spec.softmax_scale             # the softmax scale of every layer's attention
+        self._fused: tuple[Any, Any, Any] | None = None   # (op set's maker, caches, step): _fused_decode's
 
     @property
     def embed(self) -> torch.Tensor:
@@ -175,7 +176,7 @@ class DecoderModel(ABC):
         make = getattr(self.ops, "decode_layers", None)
         if make is None or meta.num_decodes != h.shape[0]:
             return None
-        built = self.__dict__.get("_fused")
+        built = self._fused
         if built is None or built[0] is not make or built[1] is not kv_caches:
             cls = type(self)
             plain = self.tp is None and all(   # the layers and the step as this class computes them, unchanged
@@ -193,7 +194,7 @@ class DecoderModel(ABC):
             first = self.layers[0]
             step = make(layers, first.attn.norm.eps, self.scale, first.attn.softcap,
                         first.mlp.act == "gelu_tanh") if plain else None
-            self.__dict__["_fused"] = built = (make, kv_caches, step)
+            self._fused = built = (make, kv_caches, step)
         step = built[2]
         return step if step is not None and step.runs(h, meta) else None
 

@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "bf16.h"
 #include "team.h"
 
 #define GROUP 32
@@ -37,12 +38,6 @@ int int4_gemm_native(void) {
 
 static inline __m512 bf16x16(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
-static inline uint16_t to_bf16(float f) {
-    union { float f; uint32_t u; } v = { f };
-    if ((v.u & 0x7f800000u) == 0x7f800000u && (v.u & 0x7fffffu)) return (uint16_t)((v.u >> 16) | 0x40);
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
 /* Rows m0 … m0 + mb - 1 of x against one block of 64 weight rows; mb ≤ MB, a constant where it is inlined. */
@@ -104,7 +99,7 @@ static void gemm_blocks(const uint8_t* codes, const uint16_t* sz, int N, int K, 
             }
             for (int m = 0; m < mb; m++)
                 for (int j = 0; j < BLOCK; j++)
-                    y[(int64_t)(m0 + m) * N + b * BLOCK + j] = to_bf16(out[m * BLOCK + j]);
+                    y[(int64_t)(m0 + m) * N + b * BLOCK + j] = f32_to_bf16(out[m * BLOCK + j]);
         }
     }
 }

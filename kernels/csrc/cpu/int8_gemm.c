@@ -12,6 +12,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "bf16.h"
 #include "team.h"
 
 int int8_gemm_native(void) {
@@ -27,20 +28,6 @@ int int8_gemm_native(void) {
 
 #define RB 4            /* weight rows a pass */
 #define MB 4            /* rows of x a pass */
-
-static inline float from_dt(const void* p, int64_t i, int dt) {
-    if (!dt) return ((const float*)p)[i];
-    union { uint32_t u; float f; } v = { (uint32_t)((const uint16_t*)p)[i] << 16 };
-    return v.f;
-}
-
-static inline void to_dt(void* p, int64_t i, float f, int dt) {
-    if (!dt) { ((float*)p)[i] = f; return; }
-    union { float f; uint32_t u; } v = { f };
-    uint16_t h = ((v.u & 0x7f800000u) == 0x7f800000u && (v.u & 0x7fffffu))
-                 ? (uint16_t)((v.u >> 16) | 0x40) : (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-    ((uint16_t*)p)[i] = h;
-}
 
 static inline __m512 widen(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
@@ -69,7 +56,7 @@ static inline __attribute__((always_inline)) void tile(const int8_t* w, int K, c
 #if defined(__AVX512BF16__)
 /* Several rows of bf16 x (K a multiple of 32): each tile of weight rows is widened once, to bf16 (exact: |q| ≤
  * 127 holds in bf16's 8 bits), into `wb`, and every row of x runs over it with vdpbf16ps, two products a lane. */
-static void rows_bf16(const int8_t* w, int K, const uint16_t* x, int M, int n, int rb, uint16_t* wb,
+static void rows_bf16(const int8_t* w, int K, const uint16_t* x, int n, int rb, uint16_t* wb,
                       float (*out)[MB], int m0, int mb) {
     if (m0 == 0)
         for (int r = 0; r < rb; r++)
@@ -89,7 +76,6 @@ static void rows_bf16(const int8_t* w, int K, const uint16_t* x, int M, int n, i
     }
     for (int r = 0; r < rb; r++)
         for (int m = 0; m < mb; m++) out[r][m] = _mm512_reduce_add_ps(a[r][m]);
-    (void)M;
 }
 #endif
 #endif
@@ -104,10 +90,10 @@ static int gemm_rows(const int8_t* w, const void* scale, int N, int K, const voi
             for (int m0 = 0; m0 < M; m0 += MB) {
                 int mb = M - m0 < MB ? M - m0 : MB;
                 float out[RB][MB];
-                rows_bf16(w, K, (const uint16_t*)x, M, (int)n, rb, wb, out, m0, mb);
+                rows_bf16(w, K, (const uint16_t*)x, (int)n, rb, wb, out, m0, mb);
                 for (int r = 0; r < rb; r++)
                     for (int m = 0; m < mb; m++)
-                        to_dt(y, (int64_t)(m0 + m) * N + n + r, out[r][m] * from_dt(scale, n + r, dt), dt);
+                        store(y, (int64_t)(m0 + m) * N + n + r, out[r][m] * load(scale, n + r, dt), dt);
             }
         }
         return 0;
@@ -126,7 +112,7 @@ static int gemm_rows(const int8_t* w, const void* scale, int N, int K, const voi
             else tile(wn, K, xm, rb, mb, out);
             for (int r = 0; r < rb; r++)
                 for (int m = 0; m < mb; m++)
-                    to_dt(y, (int64_t)(m0 + m) * N + n + r, out[r][m] * from_dt(scale, n + r, dt), dt);
+                    store(y, (int64_t)(m0 + m) * N + n + r, out[r][m] * load(scale, n + r, dt), dt);
         }
     }
     return 0;
@@ -151,7 +137,7 @@ int int8_gemm(const int8_t* w, const void* scale, int N, int K, const void* x, i
     if (!rc) {
         xf = (float*)malloc((size_t)M * K * sizeof(float));
         if (!xf) rc = -1;
-        for (int64_t i = 0; !rc && i < (int64_t)M * K; i++) xf[i] = from_dt(x, i, dt);
+        for (int64_t i = 0; !rc && i < (int64_t)M * K; i++) xf[i] = load(x, i, dt);
     }
     if (!rc) {
         int64_t from = n0, to = n1;
