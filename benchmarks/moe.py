@@ -1,5 +1,6 @@
-"""One mixture-of-experts layer on the GPU at real shapes (random bf16 weights): routing and the experts as the
-model runs them (`ops.moe_route`, `ops.moe_experts`: sort by expert, grouped GEMMs, un-permute, combine).
+"""One mixture-of-experts layer on the GPU at real shapes (random bf16 weights): the residual add and norm,
+routing and the experts as the model runs them (`ops.add_rms_norm_moe`: for a few tokens the router's GEMV and
+moe_gemv.cu's two kernels; beyond, sort by expert, grouped GEMMs, un-permute, combine).
 
     python -m benchmarks.moe [--shapes mixtral-8x7b,qwen3-30b-a3b] [--tokens 1,8,64,2048] [--repeats 50]
         [--json out.json]
@@ -47,18 +48,17 @@ def probe(name: str, tokens: list[int], repeats: int, bandwidth: float, flops_pe
     e, k, h, f = SHAPES[name]
     ops = get_ops("cuda")
     router, gate_up, down = layer_weights(e, h, f)
+    norm_w = torch.ones(h, device="cuda", dtype=torch.bfloat16)
     run = timer(torch.device("cuda"))
     rows = []
     for t in tokens:
-        x = torch.randn(t, h, device="cuda").bfloat16()
+        x, res = (torch.randn(t, h, device="cuda").bfloat16() for _ in range(2))
 
-        def step(x: torch.Tensor = x) -> torch.Tensor:
-            weights, ids = ops.moe_route(x, router, k, True)
-            return ops.moe_experts(x, weights, ids, gate_up, down)
+        def step() -> torch.Tensor:
+            return ops.add_rms_norm_moe(x, res, norm_w, 1e-6, router, gate_up, down, k, True)[0]
 
         def ref_step() -> torch.Tensor:
-            weights, ids = reference.moe_route(x, router, k, True)
-            return reference.moe_experts(x, weights, ids, gate_up, down)
+            return reference.add_rms_norm_moe(x, res, norm_w, 1e-6, router, gate_up, down, k, True)[0]
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -72,9 +72,9 @@ def probe(name: str, tokens: list[int], repeats: int, bandwidth: float, flops_pe
         ref_step()
         torch.cuda.synchronize()
         graph_s, eager_s, ref_s = run(graph.replay, repeats), run(step, repeats), run(ref_step, max(3, repeats // 10))
-        _, ids = ops.moe_route(x, router, k, True)
+        _, ids = reference.moe_route(reference.rms_norm(x + res, norm_w, 1e-6), router, k, True)
         distinct = int(ids.unique().numel())
-        moved = (router.numel() + distinct * 3 * f * h + 2 * t * h) * 2          # bytes a step must move
+        moved = (router.numel() + distinct * 3 * f * h + 4 * t * h) * 2          # bytes a step must move
         flops = 2 * t * k * 3 * f * h + 2 * t * e * h
         rows.append({"shape": name, "tokens": t, "distinct_experts": distinct, "graph_ms": graph_s * 1e3,
                      "eager_ms": eager_s * 1e3, "reference_ms": ref_s * 1e3, "bytes": moved,

@@ -230,6 +230,16 @@ def add_rms_norm_gate_up_gelu(x: torch.Tensor, residual: torch.Tensor | None, no
     return gelu_tanh_and_mul(y), residual
 
 
+def add_rms_norm_moe(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                     router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+                     renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """As the reference: the native norm (with the residual add), then the reference's routing and experts."""
+    normed, residual = ((rms_norm(x, norm_weight, eps), x) if residual is None
+                        else fused_add_rms_norm(x, residual, norm_weight, eps))
+    weights, ids = moe_route(normed, router, top_k, renormalize)
+    return moe_experts(normed, weights, ids, gate_up, down), residual
+
+
 def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slot_mapping: torch.Tensor) -> torch.Tensor:

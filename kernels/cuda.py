@@ -8,24 +8,22 @@ a graph is captured on Hopper, through programmatic dependent launch (pdl.py), s
 each kernel's start overlaps the previous one's tail.
 Prompt chunks go through torch's variable-length flash attention, all chunks of a step in one call per layer
 (prefill_attention.py); the standalone rotary and KV write, and decode shapes the kernel does not handle
-(`decode_supported`), run the torch reference on the GPU. A mixture of experts' experts run as grouped GEMMs
-(torch._grouped_mm) over the tokens sorted by expert (`moe_experts`). A projection whose weight is FP8
-(fp8_weight.py) goes to fp8_linear.py: an FP8 GEMV of a few rows, torch._scaled_mm beyond.
+(`decode_supported`), run the torch reference on the GPU. A mixture of experts' experts (cuda_moe.py) run
+through moe_gemv.cu for a few tokens and as grouped GEMMs over the tokens sorted by expert beyond. A
+projection whose weight is FP8 (fp8_weight.py) goes to fp8_linear.py: an FP8 GEMV of a few rows,
+torch._scaled_mm beyond.
 The ops in CONFIGURED take the KernelConfig (config.py) as `config=`; get_ops("cuda", config) binds it.
 """
 from __future__ import annotations
 
 import functools
-import logging
-from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import reference
+from . import cuda_moe, fp8_linear, reference
 from .config import DEFAULT, KernelConfig
-from . import fp8_linear
 from .decode_attention import decode_supported, paged_attention_decode  # noqa: F401 (the op set)
 from .fp8_weight import FP8Weight
 from .launch import launch as _launch, ptr as _ptr, sm_count as _sm_count
@@ -35,7 +33,7 @@ from .prefill_attention import prefill_attention  # noqa: F401 (the op set)
 RAGGED_PREFILL = True           # takes AttentionMetadata.prefill_groups (the runner builds them)
 CONFIGURED = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "linear", "add_rms_norm_linear",
               "add_rms_norm_gate_up", "add_rms_norm_gate_up_gelu", "gelu_tanh_and_mul", "rotary_write_kv",
-              "paged_attention", "paged_attention_decode", "moe_experts")
+              "paged_attention", "paged_attention_decode", "moe_experts", "add_rms_norm_moe")
 
 rotary_embedding = reference.rotary_embedding
 write_kv = reference.write_kv
@@ -224,71 +222,24 @@ moe_route = reference.moe_route     # a GEMV of E rows, softmax and top-k: torch
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
                 down: torch.Tensor, *, config: KernelConfig = DEFAULT) -> torch.Tensor:
-    """As the reference. In bf16 on Hopper, grouped GEMMs over the (token, slot) pairs sorted by expert
-    (`_grouped_experts`): only the chosen experts' weights are read, and nothing waits on the host, so that a
-    CUDA graph captures it. Elsewhere (another dtype or card, a torch without `_grouped_mm`), the reference,
-    and under graph capture every expert over every token (`_every_expert`): static shapes, E/k times the work."""
-    if _grouped_mm_ok(x, gate_up, down):
-        return _grouped_experts(x, weights, ids, gate_up, down, functools.partial(silu_and_mul, config=config))
-    _log_moe_fallback(str(x.dtype), torch.cuda.get_device_capability(x.device))
-    if torch.cuda.is_current_stream_capturing():
-        return _every_expert(x, weights, ids, gate_up, down)
-    return reference.moe_experts(x, weights, ids, gate_up, down)
+    """As the reference: grouped GEMMs over the pairs sorted by expert in bf16 on Hopper, only the chosen
+    experts' weights read and nothing waiting on the host (cuda_moe.py)."""
+    return cuda_moe.experts(x, weights, ids, gate_up, down, functools.partial(silu_and_mul, config=config))
 
 
-def _grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-                     down: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """Route → permute → grouped GEMMs → un-permute → combine, every shape fixed by T, k and E. `act`: [T k, 2F]
-    → [T k, F] (SiLU-and-mul). torch._grouped_mm multiplies each expert's row group by that expert's weight
-    (offsets: the groups' end rows); an expert no token chose is an empty group whose weights it never reads."""
-    t, k = ids.shape
-    e = gate_up.shape[0]
-    sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)             # [T k]: pairs grouped by expert
-    ends = torch.searchsorted(sorted_ids, torch.arange(1, e + 1, device=ids.device, dtype=sorted_ids.dtype),
-                              out_int32=True)                                 # [E]: each group's end row
-    xs = x.index_select(0, order // k)                                        # [T k, H]: each pair's token
-    h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=ends)              # [T k, 2F]
-    h = torch._grouped_mm(act(h), down.transpose(1, 2), offs=ends)             # [T k, H]
-    y = torch.empty_like(h).index_copy_(0, order, h)                          # back in (token, slot) order
-    # Σ_slot weight · y: the weights in x's dtype (as transformers' Qwen3-MoE rounds them), accumulated in fp32.
-    return torch.bmm(weights.to(y.dtype).unsqueeze(1), y.view(t, k, -1)).squeeze(1)   # [T, H]
-
-
-def _every_expert(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor) -> torch.Tensor:
-    """Every expert over every token, scaled by its routing weight (zero where the token did not choose it)."""
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for e in range(gate_up.shape[0]):
-        w = (weights * (ids == e)).sum(-1, keepdim=True)                      # [T, 1]
-        out += reference.linear(reference.silu_and_mul(reference.linear(x, gate_up[e])), down[e]).float() * w
-    return out.to(x.dtype)
-
-
-@functools.cache
-def _grouped_mm_device() -> bool:
-    """torch._grouped_mm's own kernels: Hopper (torch ≥ 2.8), and Blackwell from torch 2.9. Elsewhere torch
-    loops over the groups with their sizes read on the host."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    major = torch.cuda.get_device_capability()[0]
-    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-    return major == 9 or (major == 10 and version >= (2, 9))
-
-
-def _grouped_mm_ok(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """bf16 throughout, rows of H and F a whole number of 16-byte vectors (torch._grouped_mm's strides), weights
-    contiguous, and a device where it runs without the host."""
-    return (x.dtype == gate_up.dtype == down.dtype == torch.bfloat16 and x.shape[1] % 8 == 0
-            and down.shape[2] % 8 == 0 and gate_up.is_contiguous() and down.is_contiguous() and _grouped_mm_device())
-
-
-@functools.cache
-def _log_moe_fallback(dtype: str, capability: tuple[int, int]) -> None:
-    logging.getLogger("mii_async.kernels.cuda").warning(
-        "mixture of experts: grouped GEMMs (torch._grouped_mm) take bf16 on Hopper, with hidden and expert FFN "
-        "sizes multiples of 8; this is %s on sm_%d%d under torch %s%s, so the experts run the torch reference, "
-        "and inside CUDA graphs every expert over every token", dtype, *capability, torch.__version__,
-        "" if hasattr(torch, "_grouped_mm") else " (which has no torch._grouped_mm)")
+def add_rms_norm_moe(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                     router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int, renormalize: bool,
+                     *, config: KernelConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
+    """As the reference. A few tokens: the router's GEMV with the norm its prologue, then moe_gemv.cu's two
+    kernels (cuda_moe.few_tokens: three launches for the layer). More: the norm, routing, and grouped GEMMs."""
+    if cuda_moe.few_tokens_ok(x, router, gate_up, down, top_k) and _norm_gemv_ok(x, residual, norm_weight, router):
+        logits, res_out = _gemv("norm", x, router, None, config, torch.float32, residual, norm_weight, eps)
+        stream = x if res_out is None else res_out
+        return cuda_moe.few_tokens(stream, norm_weight, eps, logits, top_k, renormalize, gate_up, down,
+                                   config=config)[0], stream
+    normed, residual = _norm(norm_weight, eps, config, x, residual)
+    weights, ids = moe_route(normed, router, top_k, renormalize)
+    return moe_experts(normed, weights, ids, gate_up, down, config=config), residual
 
 
 def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

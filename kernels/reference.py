@@ -110,6 +110,19 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
     return out
 
 
+def add_rms_norm_moe(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                     router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+                     renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse layer after its (residual add and) RMSNorm: (the experts' output [T, H], residual' [T, H]). The
+    norm as fused_add_rms_norm (rms_norm without a residual), then moe_route and moe_experts."""
+    if residual is None:
+        normed, residual = rms_norm(x, norm_weight, eps), x
+    else:
+        normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
+    weights, ids = moe_route(normed, router, top_k, renormalize)
+    return moe_experts(normed, weights, ids, gate_up, down), residual
+
+
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half (GPT-NeoX / HF Llama) rotary embedding.

@@ -25,7 +25,7 @@
 // shared memory within its limit. The norm's per-warp sums follow xin in the same dynamic buffer (FP8_WARPS·M
 // floats, FP8_GEMV_RED in kernels/fp8_linear.py): with no static shared memory, the host's dynamic request is
 // the kernel's whole footprint, and launch.py raises the 48 KiB default by that request alone.
-#include "common.cuh"
+#include "gemv_common.cuh"
 
 #ifndef FP8_M
 #define FP8_M 1
@@ -38,23 +38,6 @@
 #define FP8_THREADS (FP8_WARPS * 32)
 #define STAGE 4                 // x chunks per thread in flight while staging
 #define CHUNKS_PER_BLOCK 8      // 16-byte chunks of e4m3 in a 128-column scale block
-#define PRO_NONE 0
-#define PRO_NORM 1
-#define EPI_NONE 0
-#define EPI_SILU 1
-
-template <typename D> __device__ __forceinline__ void split2(unsigned w, float& lo, float& hi);
-template <> __device__ __forceinline__ void split2<BF16>(unsigned w, float& lo, float& hi) {
-  lo = __uint_as_float(w << 16);
-  hi = __uint_as_float(w & 0xffff0000u);
-}
-template <> __device__ __forceinline__ void split2<F16>(unsigned w, float& lo, float& hi) {
-  lo = f16_to_float((f16_t)(w & 0xffffu));
-  hi = f16_to_float((f16_t)(w >> 16));
-}
-template <typename D> __device__ __forceinline__ void unpack8(const uint4& r, float* f) {
-  split2<D>(r.x, f[0], f[1]); split2<D>(r.y, f[2], f[3]); split2<D>(r.z, f[4], f[5]); split2<D>(r.w, f[6], f[7]);
-}
 
 // Four e4m3 weights (bytes 0..3 of w) → floats, each 2^-8 times its value (see the top of the file).
 __device__ __forceinline__ void widen4(unsigned w, float& e0, float& e1, float& e2, float& e3) {
@@ -64,22 +47,6 @@ __device__ __forceinline__ void widen4(unsigned w, float& e0, float& e1, float& 
   e2 = f16_to_float((f16_t)(a >> 16));
   e1 = f16_to_float((f16_t)(b & 0xffffu));
   e3 = f16_to_float((f16_t)(b >> 16));
-}
-
-// Weights are read once: no L1 allocation.
-__device__ __forceinline__ uint4 load_stream(const uint4* p) {
-  uint4 r;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-  return r;
-}
-
-// The row of W that step s of a warp reads (groups steps per row): its (row0 + i)-th output row, or with
-// EPI_SILU gate row row0 + i and up row half + row0 + i in turn.
-template <int EPI>
-__device__ __forceinline__ long long step_row(long long row0, int s, int groups, long long half) {
-  const int q = s / groups;
-  return EPI == EPI_SILU ? row0 + (q >> 1) + ((q & 1) ? half : 0) : row0 + q;
 }
 
 // A group of a row's chunks, and with block scales each chunk's scale.

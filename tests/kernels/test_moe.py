@@ -1,12 +1,13 @@
 """The mixture-of-experts ops: the reference against transformers' sparse blocks (CPU), the CUDA path's permute
 → grouped GEMMs → un-permute against the reference (on the CPU through torch's own grouped_mm, and in bf16 on the
-GPU), and the GPU op captured in a CUDA graph and replayed on new inputs."""
+GPU), the few-token kernels (moe_gemv.cu) against the reference, and the GPU ops captured in a CUDA graph and
+replayed on new inputs."""
 from __future__ import annotations
 
 import pytest
 import torch
-
 from mii_async.kernels import cuda as K
+from mii_async.kernels import cuda_moe as M
 from mii_async.kernels import reference as R
 
 
@@ -62,7 +63,7 @@ def test_grouped_path_equals_reference_on_cpu():
         x = torch.randn(t, 64)
         weights, ids = R.moe_route(x, router, k, renormalize=False)
         ref = R.moe_experts(x, weights, ids, gate_up, down)
-        out = K._grouped_experts(x, weights, ids, gate_up, down, R.silu_and_mul)
+        out = M.grouped(x, weights, ids, gate_up, down, R.silu_and_mul)
         assert rel(out, ref) < 1e-5, (t, k)
 
 
@@ -72,7 +73,7 @@ def test_every_expert_equals_reference():
     router, gate_up, down = experts(8, 64, 32)
     x = torch.randn(20, 64)
     weights, ids = R.moe_route(x, router, 2, renormalize=True)
-    assert rel(K._every_expert(x, weights, ids, gate_up, down), R.moe_experts(x, weights, ids, gate_up, down)) < 1e-5
+    assert rel(M.every_expert(x, weights, ids, gate_up, down), R.moe_experts(x, weights, ids, gate_up, down)) < 1e-5
 
 
 # -- on the GPU ------------------------------------------------------------------------------------------------
@@ -100,7 +101,7 @@ def test_cuda_experts_match_reference_bf16(shape, t):
     router, gate_up, down = experts(e, h, f, "cuda", torch.bfloat16, seed=t)
     x = torch.randn(t, h, device="cuda").to(torch.bfloat16)
     if torch.cuda.get_device_capability()[0] == 9:
-        assert K._grouped_mm_ok(x, gate_up, down), "Hopper in bf16 must take the grouped GEMMs"
+        assert M.grouped_mm_ok(x, gate_up, down), "Hopper in bf16 must take the grouped GEMMs"
     weights, ids = ops.moe_route(x, router, k, True)
     out = ops.moe_experts(x, weights, ids, gate_up, down)
     ref = R.moe_experts(x.float(), weights, ids, gate_up.float(), down.float())
@@ -118,7 +119,7 @@ def test_cuda_experts_replay_in_a_cuda_graph(dtype, t):
     ops = _gpu_ops()
     router, gate_up, down = experts(128, 512, 256, "cuda", dtype, seed=t)
     static_x = torch.randn(t, 512, device="cuda").to(dtype)
-    grouped = K._grouped_mm_ok(static_x, gate_up, down)        # else eager and captured runs take two paths
+    grouped = M.grouped_mm_ok(static_x, gate_up, down)        # else eager and captured runs take two paths
 
     def layer(x: torch.Tensor) -> torch.Tensor:
         weights, ids = ops.moe_route(x, router, 8, False)
@@ -140,3 +141,78 @@ def test_cuda_experts_replay_in_a_cuda_graph(dtype, t):
         torch.cuda.synchronize()
         eager = layer(x)
         assert rel(static_out, eager) < (1e-5 if grouped else 1e-2)
+
+
+# -- a few tokens: moe_gemv.cu ----------------------------------------------------------------------------------
+
+FEW = {**SHAPES, "qwen3-30b-a3b": (128, 8, 2048, 768), "odd": (40, 3, 264, 88)}
+
+
+def _poison_allocator() -> None:
+    """Fills the caching allocator's free blocks with NaN, so that an output the kernels leave unwritten shows."""
+    junk = torch.full((64 << 20,), float("nan"), device="cuda")
+    del junk
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", list(FEW))
+@pytest.mark.parametrize("t", [1, 2])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_few_tokens_match_reference(dtype, shape, t, renormalize, with_residual):
+    """add_rms_norm_moe of one or two tokens takes moe_gemv.cu: the residual stream is the reference's bit for
+    bit; the experts chosen are those of the k largest router logits, in descending order, with the softmax
+    weights (renormalised or not) of the reference's formula (equal logits may be chosen in another order than
+    torch.topk's); and the output is within 1e-2 of the reference in fp32 over the same weights and routing."""
+    ops = _gpu_ops()
+    e, k, h, f = FEW[shape]
+    router, gate_up, down = experts(e, h, f, "cuda", dtype, seed=t + 10 * k)
+    norm_w = (1 + 0.1 * torch.randn(h, device="cuda")).to(dtype)
+    x = torch.randn(t, h, device="cuda").to(dtype)
+    res = torch.randn(t, h, device="cuda").to(dtype) if with_residual else None
+    assert M.few_tokens_ok(x, router, gate_up, down, k)
+    _poison_allocator()
+    out, stream = ops.add_rms_norm_moe(x, res, norm_w, 1e-6, router, gate_up, down, k, renormalize)
+    assert torch.equal(stream, x if res is None else x + res)
+    logits, _ = K._gemv("norm", x, router, None, ops.config, torch.float32, res, norm_w, 1e-6)
+    _poison_allocator()
+    _, weights, ids = M.few_tokens(stream, norm_w, 1e-6, logits, k, renormalize, gate_up, down)
+    assert torch.equal(logits.gather(1, ids), torch.topk(logits, k).values), "not the k largest logits"
+    probs = torch.softmax(logits, -1).gather(1, ids)
+    assert torch.allclose(weights, probs / probs.sum(-1, keepdim=True) if renormalize else probs, rtol=1e-5, atol=0)
+    normed = R.rms_norm(stream, norm_w, 1e-6)
+    ref = R.moe_experts(normed.float(), weights, ids, gate_up.float(), down.float())
+    assert out.dtype == dtype and out.shape == (t, h)
+    assert rel(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 2])
+def test_few_tokens_replay_in_a_cuda_graph(t):
+    """add_rms_norm_moe of a few tokens captured in a CUDA graph and replayed on new inputs gives the eager op's
+    output bit for bit (the same kernels; the routing read on the device)."""
+    ops = _gpu_ops()
+    router, gate_up, down = experts(128, 2048, 768, "cuda", torch.bfloat16, seed=t)
+    norm_w = torch.ones(2048, device="cuda", dtype=torch.bfloat16)
+    static_x, static_res = (torch.randn(t, 2048, device="cuda").bfloat16() for _ in range(2))
+
+    def layer(x: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
+        return ops.add_rms_norm_moe(x, res, norm_w, 1e-6, router, gate_up, down, 8, True)[0]
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(static_x, static_res)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = layer(static_x, static_res)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        x, res = (torch.randn(t, 2048, device="cuda").bfloat16() for _ in range(2))
+        static_x.copy_(x)
+        static_res.copy_(res)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, layer(x, res))

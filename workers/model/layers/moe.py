@@ -1,7 +1,8 @@
 """MoE: a sparse layer's mixture of experts in the place of the gated MLP. A router sends each token to its k
-best-scoring experts (softmax top-k, `ops.moe_route`); each expert is a SwiGLU, down(silu(gate(x)) · up(x)), and a
-token's output is its experts' outputs summed with the routing weights (`ops.moe_experts`). The call is
-GatedMLP's: the residual add and the RMSNorm before it are its prologue.
+best-scoring experts (softmax top-k); each expert is a SwiGLU, down(silu(gate(x)) · up(x)), and a token's output
+is its experts' outputs summed with the routing weights. The call is GatedMLP's: the residual add and the
+RMSNorm before it are its prologue, and the op set takes all of it as one op (`ops.add_rms_norm_moe`), so that a
+decode step's kernels may fuse the norm into the router and the routing into the experts.
 
 The experts' weights are stacked, gate and up fused per expert: gate_up [E, 2F, H] and down [E, H, F], the
 layout that the grouped GEMMs on CUDA read one expert's slice of. Under tensor parallelism every rank holds F/T
@@ -72,12 +73,8 @@ class MoE:
 
     def __call__(self, ops: OpSet, h: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, H] (the attention's output) → the experts' output [T, H], residual + h."""
-        if residual is None:
-            x, residual = ops.rms_norm(h, self.norm.weight, self.norm.eps), h
-        else:
-            x, residual = ops.fused_add_rms_norm(h, residual, self.norm.weight, self.norm.eps)
-        weights, ids = ops.moe_route(x, self.router, self.top_k, self.renormalize)     # [T, k] each
-        out = ops.moe_experts(x, weights, ids, self.gate_up, self.down)                 # [T, H]
+        out, residual = ops.add_rms_norm_moe(h, residual, self.norm.weight, self.norm.eps, self.router, self.gate_up,
+                                             self.down, self.top_k, self.renormalize)
         if self.tp is not None:
             self.tp.all_reduce(out)                                                     # each rank's F/T
         return out, residual

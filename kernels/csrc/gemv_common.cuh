@@ -1,0 +1,46 @@
+// What the skinny GEMMs (gemv.cu, gemv_fp8.cu, moe_gemv.cu) share: 16-bit values moved as 16-byte vectors of
+// eight, weights streamed past L1, and the order in which a warp's steps visit W's rows.
+#pragma once
+#include "common.cuh"
+
+#define PRO_NONE 0
+#define PRO_NORM 1
+#define EPI_NONE 0
+#define EPI_SILU 1
+
+// The two elements of a 32-bit word of a 16-bit type, as floats.
+template <typename D> __device__ __forceinline__ void split2(unsigned w, float& lo, float& hi);
+template <> __device__ __forceinline__ void split2<BF16>(unsigned w, float& lo, float& hi) {
+  lo = __uint_as_float(w << 16);
+  hi = __uint_as_float(w & 0xffff0000u);
+}
+template <> __device__ __forceinline__ void split2<F16>(unsigned w, float& lo, float& hi) {
+  lo = f16_to_float((f16_t)(w & 0xffffu));
+  hi = f16_to_float((f16_t)(w >> 16));
+}
+template <typename D> __device__ __forceinline__ void unpack8(const uint4& r, float* f) {
+  split2<D>(r.x, f[0], f[1]); split2<D>(r.y, f[2], f[3]); split2<D>(r.z, f[4], f[5]); split2<D>(r.w, f[6], f[7]);
+}
+template <typename D> __device__ __forceinline__ uint4 pack8(const float* f) {
+  uint4 r;
+  typename D::T* e = reinterpret_cast<typename D::T*>(&r);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) e[j] = Cvt<D>::store(f[j]);
+  return r;
+}
+
+// Weights are read once: no L1 allocation.
+__device__ __forceinline__ uint4 load_stream(const uint4* p) {
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+
+// The row of W that step s of a warp reads (groups steps per row): its (row0 + i)-th output row, or with
+// EPI_SILU gate row row0 + i and up row half + row0 + i in turn.
+template <int EPI>
+__device__ __forceinline__ long long step_row(long long row0, int s, int groups, long long half) {
+  const int q = s / groups;
+  return EPI == EPI_SILU ? row0 + (q >> 1) + ((q & 1) ? half : 0) : row0 + q;
+}
