@@ -242,8 +242,12 @@ def add_rms_norm_moe(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
 
 def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> torch.Tensor:
-    """As reference.rotary_write_kv. q, k, v may be views of one QKV row [T, (Hq + 2 Hkv) D]."""
+                    slot_mapping: torch.Tensor,
+                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+    """As reference.rotary_write_kv (the heads' norms by the native rms_norm). q, k, v may be views of one QKV
+    row [T, (Hq + 2 Hkv) D]."""
+    if qk_norm is not None:
+        q, k = reference.head_norms(q, k, qk_norm, rms_norm)
     t, hq, d = q.shape
     hkv = k.shape[1]
     views = all(x.stride(1) == d and x.stride(2) == 1 for x in (q, k, v))

@@ -244,18 +244,32 @@ def add_rms_norm_moe(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
 
 def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor, *, config: KernelConfig = DEFAULT) -> torch.Tensor:
+                    slot_mapping: torch.Tensor, qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, *,
+                    config: KernelConfig = DEFAULT) -> torch.Tensor:
+    """As the reference, in one kernel; with `qk_norm` in 16-bit types and a head size of 16 · 2^n up to 256,
+    the heads' norms are that kernel's prologue (rotary_norm_write_kv), else kernels of their own first."""
     t, hq, d = q.shape
     hkv = k.shape[1]
+    fused = qk_norm is not None and q.dtype != torch.float32 and d in (16, 32, 64, 128, 256)
+    if qk_norm is not None and not fused:
+        q = rms_norm(q.reshape(t * hq, d), qk_norm[0], qk_norm[2], config=config).view(t, hq, d)
+        k = rms_norm(k.reshape(t * hkv, d), qk_norm[1], qk_norm[2], config=config).view(t, hkv, d)
     for name, x in (("q", q), ("k", k), ("v", v)):
         assert x.stride(2) == 1 and x.stride(1) == d, f"{name}: heads must be contiguous, got strides {x.stride()}"
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == q.dtype
     q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
-    if t:
-        _launch("rotary_kv", "rotary_write_kv", q.dtype, (t,), (_threads(max(hq, hkv) * d // 2),),
-                (_ptr(positions.contiguous()), _ptr(q), _ptr(k), _ptr(v), _ptr(cos_sin), _ptr(q_out), _ptr(k_cache),
-                 _ptr(v_cache), _ptr(slot_mapping.contiguous()), np.int32(hq), np.int32(hkv), np.int32(d),
-                 np.int64(q.stride(0)), np.int64(k.stride(0)), np.int64(v.stride(0))), pdl=config.pdl)
+    if not t:
+        return q_out
+    args = (_ptr(positions.contiguous()), _ptr(q), _ptr(k), _ptr(v), _ptr(cos_sin), _ptr(q_out), _ptr(k_cache),
+            _ptr(v_cache), _ptr(slot_mapping.contiguous()), np.int32(hq), np.int32(hkv), np.int32(d),
+            np.int64(q.stride(0)), np.int64(k.stride(0)), np.int64(v.stride(0)))
+    if fused:
+        _launch("rotary_kv", "rotary_norm_write_kv", q.dtype, (t,), (32 * min(32, hq + hkv),),
+                (*args, _ptr(qk_norm[0].contiguous()), _ptr(qk_norm[1].contiguous()), np.float32(qk_norm[2])),
+                pdl=config.pdl)
+    else:
+        _launch("rotary_kv", "rotary_write_kv", q.dtype, (t,), (_threads(max(hq, hkv) * d // 2),), args,
+                pdl=config.pdl)
     return q_out
 
 

@@ -5,6 +5,8 @@ N KV blocks of `block_size` tokens, E experts of which each token takes k. Cache
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -151,12 +153,24 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> torch.Tensor:
+                    slot_mapping: torch.Tensor,
+                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
     """Rotary on q and k, then k and v written into the caches (one fused kernel on CUDA). q [T, Hq, D],
-    k, v [T, Hkv, D] (rows may be strided views of one QKV projection). Returns the rotated q [T, Hq, D]."""
+    k, v [T, Hkv, D] (rows may be strided views of one QKV projection). `qk_norm` (q's weight [D], k's weight
+    [D], eps): an RMSNorm of each q and k head first (Qwen3, Gemma 3). Returns the rotated q [T, Hq, D]."""
+    if qk_norm is not None:
+        q, k = head_norms(q, k, qk_norm, rms_norm)
     q, k = rotary_embedding(positions, q, k, cos_sin)
     write_kv(k, v, k_cache, v_cache, slot_mapping)
     return q
+
+
+def head_norms(q: torch.Tensor, k: torch.Tensor, qk_norm: tuple[torch.Tensor, torch.Tensor, float],
+               norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm` (an op set's rms_norm) over each head of q [T, Hq, D] and k [T, Hkv, D], as rows of D."""
+    (t, hq, d), hkv = q.shape, k.shape[1]
+    return (norm(q.reshape(t * hq, d), qk_norm[0], qk_norm[2]).view(t, hq, d),
+            norm(k.reshape(t * hkv, d), qk_norm[1], qk_norm[2]).view(t, hkv, d))
 
 
 def _blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:

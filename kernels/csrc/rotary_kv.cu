@@ -2,6 +2,10 @@
 // token's query heads (written to q_out) and key heads (written straight into the cache at the token's slot),
 // and its value heads copied into the cache. cos_sin is [max_pos, D] fp32 holding [cos | sin] of D/2
 // frequencies. q, k, v rows may be strided (views of one fused QKV projection); heads are D apart.
+// rotary_norm_write_kv first takes an RMSNorm of each q and k head (Qwen3, Gemma 3), a warp a head, summed and
+// rounded as norms.cu does a row of D (one warp, eight consecutive elements a lane), so that it equals the norm
+// kernel followed by rotary_write_kv bit for bit; it takes D = 16 · 2^n up to 256, where each element's rotary
+// partner (i ± D/2) sits in the lane D/16 away.
 #include "common.cuh"
 
 template <typename D>
@@ -39,3 +43,59 @@ __device__ __forceinline__ void rotate(const typename D::T* src, typename D::T* 
       v_cache[kv_row + j] = v[t * v_stride + j];                                                               \
   }
 MII_FOR_DTYPES(MII_ROTARY_KV)
+
+template <typename D>
+__device__ __forceinline__ void norm_rotate_head(const typename D::T* __restrict__ src,
+                                                 typename D::T* __restrict__ dst, const typename D::T* __restrict__ w,
+                                                 const float* cs, int head_dim, float eps, int lane) {
+  const int per = head_dim / 8, half = head_dim / 2;
+  float v[8], ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    v[j] = lane < per ? Cvt<D>::load(src[8 * lane + j]) : 0.f;
+    ss += v[j] * v[j];
+  }
+  const float inv = rsqrtf(warp_sum(ss) / head_dim + eps);
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    v[j] = lane < per ? round_to<D>(Cvt<D>::load(w[8 * lane + j]) * round_to<D>(v[j] * inv)) : 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float partner = __shfl_xor_sync(0xffffffffu, v[j], half / 8);
+    const int e = 8 * lane + j;
+    if (lane >= per) continue;
+    if (e < half) {
+      const float c = round_to<D>(cs[e]), s = round_to<D>(cs[half + e]);
+      dst[e] = Cvt<D>::store(round_to<D>(v[j] * c) + round_to<D>(-partner * s));
+    } else {
+      const float c = round_to<D>(cs[e - half]), s = round_to<D>(cs[e]);
+      dst[e] = Cvt<D>::store(round_to<D>(v[j] * c) + round_to<D>(partner * s));
+    }
+  }
+}
+
+#define MII_ROTARY_NORM_KV(SUFFIX, D)                                                                          \
+  extern "C" __global__ void rotary_norm_write_kv_##SUFFIX(                                                    \
+      const long long* positions, const D::T* q, const D::T* k, const D::T* v, const float* cos_sin,         \
+      D::T* q_out, D::T* k_cache, D::T* v_cache, const long long* slot_mapping, int num_q_heads,             \
+      int num_kv_heads, int head_dim, long long q_stride, long long k_stride, long long v_stride,             \
+      const D::T* q_norm, const D::T* k_norm, float eps) {                                                     \
+    long long t = blockIdx.x;                                                                                  \
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;                                                \
+    pdl_launch_dependents();                                                                                   \
+    const float* cs = cos_sin + positions[t] * head_dim;     /* step inputs: read before the wait */          \
+    long long slot = slot_mapping[t];                                                                          \
+    pdl_wait();                                                                                                \
+    long long kv_row = slot * num_kv_heads * head_dim;                                                         \
+    for (int h = threadIdx.x >> 5; h < num_q_heads + num_kv_heads; h += warps) {                               \
+      if (h < num_q_heads)                                                                                     \
+        norm_rotate_head<D>(q + t * q_stride + h * head_dim, q_out + (t * num_q_heads + h) * head_dim,         \
+                            q_norm, cs, head_dim, eps, lane);                                                  \
+      else                                                                                                     \
+        norm_rotate_head<D>(k + t * k_stride + (h - num_q_heads) * head_dim,                                   \
+                            k_cache + kv_row + (h - num_q_heads) * head_dim, k_norm, cs, head_dim, eps, lane); \
+    }                                                                                                          \
+    for (int j = threadIdx.x; j < num_kv_heads * head_dim; j += blockDim.x)                                    \
+      v_cache[kv_row + j] = v[t * v_stride + j];                                                               \
+  }
+MII_FOR_DTYPES(MII_ROTARY_NORM_KV)

@@ -92,6 +92,38 @@ def test_rotary_write_kv(dtype, hq, hkv, d):
     assert torch.equal(vc.view(-1, hkv, d)[flat].float(), ref_v.view(-1, hkv, d)[flat])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [1, 37])
+@pytest.mark.parametrize("hq,hkv,d", [(32, 4, 128), (16, 8, 256), (40, 40, 64), (6, 2, 16), (9, 3, 96)])
+def test_rotary_write_kv_with_head_norms(dtype, t, hq, hkv, d):
+    """With q/k head norms (Qwen3, Gemma 3): against the reference in fp32, and in 16-bit types with the norms
+    fused into the rotary kernel (d of 16 · 2^n up to 256) equal bit for bit to the norm kernel followed by
+    the plain rotary kernel; d = 96 and fp32 take the norm kernels first."""
+    from mii_async.workers.model.rope import cos_sin_cache, inv_frequencies
+
+    cos_sin = cos_sin_cache(inv_frequencies(d, 1000000.0, None), 4096, torch.device("cuda"))
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda").to(dtype) * 3
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
+    q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+    norms = ((1 + 0.2 * torch.randn(d, device="cuda")).to(dtype), (1 + 0.2 * torch.randn(d, device="cuda")).to(dtype))
+    positions = torch.randint(0, 4096, (t,), device="cuda")
+    slots = torch.randperm(64 * 16, device="cuda")[:t]
+    caches = [torch.full((64, 16, hkv, d), float("nan"), device="cuda", dtype=dtype) for _ in range(4)]
+    ref_k, ref_v = caches[0].float().clone(), caches[1].float().clone()
+    poison()
+    q_out = K.rotary_write_kv(positions, q, k, v, cos_sin, caches[0], caches[1], slots, (*norms, 1e-6))
+    ref_q = R.rotary_write_kv(positions, q.float(), k.float(), v.float(), cos_sin, ref_k, ref_v, slots,
+                              (norms[0].float(), norms[1].float(), 1e-6))
+    flat = slots.tolist()
+    assert rel(q_out, ref_q) < TOL[dtype]
+    assert rel(caches[0].view(-1, hkv, d)[flat], ref_k.view(-1, hkv, d)[flat]) < TOL[dtype]
+    assert torch.equal(caches[1].view(-1, hkv, d)[flat].float(), ref_v.view(-1, hkv, d)[flat])
+    qn = K.rms_norm(q.reshape(t * hq, d), norms[0], 1e-6).view(t, hq, d)
+    kn = K.rms_norm(k.reshape(t * hkv, d), norms[1], 1e-6).view(t, hkv, d)
+    two_q = K.rotary_write_kv(positions, qn, kn, v, cos_sin, caches[2], caches[3], slots)
+    assert torch.equal(q_out, two_q) and torch.equal(caches[0].view(-1, hkv, d)[flat], caches[2].view(-1, hkv, d)[flat])
+
+
 def _paged(context_lens: list[int], hkv: int, d: int, bs: int, dtype: torch.dtype, seed: int):
     """Random caches holding each sequence's keys in randomly placed blocks; the block tables."""
     g = torch.Generator(device="cuda").manual_seed(seed)

@@ -103,11 +103,16 @@ class Attention:
                                                 self.qkv_bias)                  # [T, (Hq + 2 Hkv) D]
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
         q, k = q.reshape(t, hq, d), k.reshape(t, hkv, d)
-        if self.q_norm is not None:                                             # per head: rows of D
-            q = ops.rms_norm(q.reshape(t * hq, d), self.q_norm.weight, self.q_norm.eps).view(t, hq, d)
-        if self.k_norm is not None:
-            k = ops.rms_norm(k.reshape(t * hkv, d), self.k_norm.weight, self.k_norm.eps).view(t, hkv, d)
-        q = ops.rotary_write_kv(positions, q, k, v.view(t, hkv, d), self.cos_sin, k_cache, v_cache, slot_mapping)
+        qk_norm = None
+        if self.q_norm is not None and self.k_norm is not None and self.q_norm.eps == self.k_norm.eps:
+            qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)     # the rotary kernel's prologue
+        else:
+            if self.q_norm is not None:                                         # per head: rows of D
+                q = ops.rms_norm(q.reshape(t * hq, d), self.q_norm.weight, self.q_norm.eps).view(t, hq, d)
+            if self.k_norm is not None:
+                k = ops.rms_norm(k.reshape(t * hkv, d), self.k_norm.weight, self.k_norm.eps).view(t, hkv, d)
+        q = ops.rotary_write_kv(positions, q, k, v.view(t, hkv, d), self.cos_sin, k_cache, v_cache, slot_mapping,
+                                qk_norm)
         return q, residual
 
     def attend(self, ops: OpSet, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
