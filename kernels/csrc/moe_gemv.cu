@@ -20,6 +20,7 @@
 #define MOE_MAX_E 256           // router logits one warp holds: 8 a lane
 #define MOE_MAX_K 16
 #define STAGE 4                 // xin chunks per thread in flight while staging
+#define NEG_INF __int_as_float(0xff800000)
 
 // Softmax top-k of one token's logits [E] by one warp, as reference.moe_route: the k largest in descending
 // order (the lower expert first among equals), each weight exp(l - max) / Σ exp(l - max) in fp32, divided by
@@ -27,11 +28,11 @@
 __device__ __forceinline__ void route(const float* __restrict__ logits, int e_count, int top_k, int renorm,
                                       int* ids, float* weights, int lane) {
   float v[MOE_MAX_E / 32];
-  float mx = -INFINITY;
+  float mx = NEG_INF;
 #pragma unroll
   for (int j = 0; j < MOE_MAX_E / 32; ++j) {
     const int e = lane + 32 * j;
-    v[j] = e < e_count ? logits[e] : -INFINITY;
+    v[j] = e < e_count ? logits[e] : NEG_INF;
     mx = fmaxf(mx, v[j]);
   }
   mx = warp_max(mx);
@@ -41,7 +42,7 @@ __device__ __forceinline__ void route(const float* __restrict__ logits, int e_co
   sum = warp_sum(sum);
   float chosen = 0.f;
   for (int r = 0; r < top_k; ++r) {
-    float best = -INFINITY;
+    float best = NEG_INF;
     int at = 1 << 30;
 #pragma unroll
     for (int j = 0; j < MOE_MAX_E / 32; ++j)
@@ -51,7 +52,7 @@ __device__ __forceinline__ void route(const float* __restrict__ logits, int e_co
       const int a = __shfl_xor_sync(0xffffffffu, at, o);
       if (b > best || (b == best && a < at)) { best = b; at = a; }
     }
-    if ((at & 31) == lane) v[at >> 5] = -INFINITY;
+    if ((at & 31) == lane) v[at >> 5] = NEG_INF;
     ids[r] = at;
     weights[r] = expf(best - mx) / sum;
     chosen += weights[r];
