@@ -22,8 +22,8 @@ longparity  greedy tokens and last-position logits against transformers at 8k an
 profile  where the GPU time of a step goes (GEMMs, attention, norms, sampling, …) for decode and mixed steps,
          and, with graphs, a step's host parts beside its graph's GPU time
 
-transformers' side runs first; for a mixture of experts its weights then move to the host and our engine loads
-them from there (both copies of a 30B model would not fit an 80 GB card).
+transformers' side runs first; for a mixture of experts (or with --release-hf) its weights then move to the host
+and our engine loads them from there (both copies of a 30B model would not fit an 80 GB card).
 
 --quantization fp8 quantizes the same bf16 weights at load (docs/quantization.md); transformers' baselines stay
 bf16, the parity check adds transformers in fp32 over the FP8-rounded projections, and the batch-1 floor is
@@ -235,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
                          "with prompt chunks, in one process")
     ap.add_argument("--late-tokens", action="store_true",
                     help="mixed: tokens handed over at the end of each step (engine.step() without emit)")
+    ap.add_argument("--release-hf", action="store_true",
+                    help="let transformers' model go before our engine loads, its weights handed over through the "
+                         "host (always so for a mixture of experts), so that the engine may take more of the card "
+                         "(a model whose KV cache per token is large needs a larger pool for the offline load)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.6,
                     help="the engine's share of the GPU (default 0.6: room for transformers' baselines and the fp32 "
                          "parity reference on the H200)")
@@ -258,8 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.quantization:
         sched["quantization"] = a.quantization
     shape = SHAPES[a.shape]
-    if shape.moe and "longparity" in parts:
-        ap.error("--only longparity: a mixture of experts' transformers model is let go before our engine loads")
+    release = shape.moe or a.release_hf
+    if release and "longparity" in parts:
+        ap.error("--only longparity: transformers' model is let go before our engine loads (--release-hf, or a "
+                 "mixture of experts)")
     cfg, hf = build_hf(a.shape)
     weights_gb = sum(p.numel() * p.element_size() for p in hf.parameters()) / 1e9
     floor_bytes, flops_per_token = step_bytes(hf), token_flops(hf)
@@ -272,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_tok_s = hf_offline(hf, ints(a.hf_batches)) if "offline" in parts else {}
     print(f"transformers' side ({time.perf_counter() - t0:.0f} s): bs1 {hf_ms} ms/step, offline {hf_tok_s}", flush=True)
     weights = checkpoint_tensors(hf)
-    if shape.moe:
+    if release:
         weights = {k: v.cpu() for k, v in weights.items()}
         del hf
         torch.cuda.empty_cache()

@@ -125,7 +125,7 @@ def _gemv(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
           norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     m = x.shape[0]
     n, k = weight.shape
-    outs = n // 2 if kind == "norm_silu" else n       # [gate | up] rows → silu(gate) * up
+    outs = n // 2 if kind in ("norm_silu", "norm_gelu") else n      # [gate | up] rows → act(gate) * up
     f32 = out_dtype == torch.float32
     y = torch.empty((m, outs), dtype=torch.float32 if f32 else x.dtype, device=x.device)
     res_out = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else None
@@ -211,8 +211,12 @@ def gelu_tanh_and_mul(x: torch.Tensor, *, config: KernelConfig = DEFAULT) -> tor
 def add_rms_norm_gate_up_gelu(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                               eps: float, gate_up: torch.Tensor, *,
                               config: KernelConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
-    """As the reference: the norm and the projection as add_rms_norm_linear takes them (at a few rows one
-    gemv.cu kernel, the norm its prologue), then GeGLU."""
+    """As the reference. A few rows take one gemv.cu kernel: the norm is its prologue, GeGLU its epilogue. More:
+    the norm and the projection as add_rms_norm_linear takes them, then GeGLU."""
+    if isinstance(gate_up, torch.Tensor) and gate_up.shape[0] % 2 == 0 \
+            and _norm_gemv_ok(x, residual, norm_weight, gate_up):
+        y, res_out = _gemv("norm_gelu", x, gate_up, None, config, None, residual, norm_weight, eps)
+        return y, x if res_out is None else res_out
     y, residual = add_rms_norm_linear(x, residual, norm_weight, eps, gate_up, config=config)
     return gelu_tanh_and_mul(y, config=config), residual
 

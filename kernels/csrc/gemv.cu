@@ -6,6 +6,7 @@
 //             the summed residual
 //   EPI_SILU  W is [gate | up] (N = 2F rows) and y [M, F] = silu(gate) * up, rounded as activation.cu rounds
 //             it: a warp takes gate row j and up row F + j in turn
+//   EPI_GELU  the same with gelu_tanh(gate) * up (Gemma's GeGLU), rounded as torch rounds it
 // With `out_f32` the result is written as fp32 after rounding to the storage type: `linear(...).float()`.
 //
 // Each warp takes `rows_per_warp` consecutive output rows; the host sizes the grid so that every warp gets the
@@ -48,11 +49,11 @@ __device__ void gemv(const typename D::T* __restrict__ x, long long x_stride, co
   typedef typename D::T T;
   extern __shared__ uint4 xs[];                  // [M, kc] xin, 16-byte chunks
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, kc = k / 8;
-  const long long outs = EPI == EPI_SILU ? n / 2 : n;          // output rows
+  const long long outs = EPI != EPI_NONE ? n / 2 : n;          // output rows
   const long long row0 = ((long long)blockIdx.x * GEMV_WARPS + warp) * rows_per_warp;
   const int nrows = (int)max(0LL, min((long long)rows_per_warp, outs - row0));
   const int groups = (kc + GEMV_UNROLL * 32 - 1) / (GEMV_UNROLL * 32);
-  const int steps = nrows * groups * (EPI == EPI_SILU ? 2 : 1);
+  const int steps = nrows * groups * (EPI != EPI_NONE ? 2 : 1);
   const uint4* w4 = reinterpret_cast<const uint4*>(w);
   uint4 cur[GEMV_UNROLL];
   pdl_launch_dependents();
@@ -171,15 +172,14 @@ __device__ void gemv(const typename D::T* __restrict__ x, long long x_stride, co
       for (int m = 0; m < M; ++m) {
         float v = warp_sum(acc[m]) + b;
         acc[m] = 0.f;
-        if (EPI == EPI_SILU) {
+        if (EPI != EPI_NONE) {
           if ((q & 1) == 0) {                    // the gate row: kept for its up row, next
             gate[m] = round_to<D>(v);
             continue;
           }
-          const float gm = gate[m];
-          v = round_to<D>(gm / (1.f + __expf(-gm))) * round_to<D>(v);
+          v = gated<D, EPI>(gate[m], round_to<D>(v));
         }
-        const long long out_row = EPI == EPI_SILU ? row0 + (q >> 1) : row;
+        const long long out_row = EPI != EPI_NONE ? row0 + (q >> 1) : row;
         if (lane == 0) {
           if (out_f32) reinterpret_cast<float*>(y)[m * y_stride + out_row] = round_to<D>(v);
           else reinterpret_cast<T*>(y)[m * y_stride + out_row] = Cvt<D>::store(v);
@@ -200,7 +200,8 @@ __device__ void gemv(const typename D::T* __restrict__ x, long long x_stride, co
 #define MII_GEMV_M(SUFFIX, D, M)                                                                               \
   MII_GEMV_ONE(SUFFIX, D, M, PRO_NONE, EPI_NONE, plain)                                                        \
   MII_GEMV_ONE(SUFFIX, D, M, PRO_NORM, EPI_NONE, norm)                                                         \
-  MII_GEMV_ONE(SUFFIX, D, M, PRO_NORM, EPI_SILU, norm_silu)
+  MII_GEMV_ONE(SUFFIX, D, M, PRO_NORM, EPI_SILU, norm_silu)                                                    \
+  MII_GEMV_ONE(SUFFIX, D, M, PRO_NORM, EPI_GELU, norm_gelu)
 #define MII_GEMV(SUFFIX, D)                                                                                    \
   MII_GEMV_M(SUFFIX, D, 1) MII_GEMV_M(SUFFIX, D, 2)
 MII_GEMV(bf16, BF16)

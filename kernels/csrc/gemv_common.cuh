@@ -7,6 +7,7 @@
 #define PRO_NORM 1
 #define EPI_NONE 0
 #define EPI_SILU 1
+#define EPI_GELU 2              // GeGLU: gelu_tanh(gate) * up (Gemma)
 
 // The two elements of a 32-bit word of a 16-bit type, as floats.
 template <typename D> __device__ __forceinline__ void split2(unsigned w, float& lo, float& hi);
@@ -37,10 +38,22 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
   return r;
 }
 
-// The row of W that step s of a warp reads (groups steps per row): its (row0 + i)-th output row, or with
-// EPI_SILU gate row row0 + i and up row half + row0 + i in turn.
+// The row of W that step s of a warp reads (groups steps per row): its (row0 + i)-th output row, or with a
+// gated epilogue (EPI_SILU, EPI_GELU) gate row row0 + i and up row half + row0 + i in turn.
 template <int EPI>
 __device__ __forceinline__ long long step_row(long long row0, int s, int groups, long long half) {
   const int q = s / groups;
-  return EPI == EPI_SILU ? row0 + (q >> 1) + ((q & 1) ? half : 0) : row0 + q;
+  return EPI != EPI_NONE ? row0 + (q >> 1) + ((q & 1) ? half : 0) : row0 + q;
+}
+
+// A gated epilogue's output from its gate and up rows (each already rounded to the storage type), rounded as
+// activation.cu's SiLU-and-mul and torch's gelu(approximate="tanh") * up round them.
+template <typename D, int EPI>
+__device__ __forceinline__ float gated(float gate, float up) {
+  if (EPI == EPI_GELU) {
+    const float cube = gate * gate * gate;      // torch's order of operations
+    const float inner = 0.7978845608028654f * (gate + 0.044715f * cube);
+    return round_to<D>(0.5f * gate * (1.f + tanhf(inner))) * up;
+  }
+  return round_to<D>(gate / (1.f + __expf(-gate))) * up;
 }

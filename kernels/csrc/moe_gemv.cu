@@ -170,7 +170,7 @@ __device__ void moe_gate_up(const typename D::T* __restrict__ x, long long x_str
       if ((q & 1) == 0) {
         gate = round_to<D>(v);
       } else if (lane == 0) {
-        hp[row0 + (q >> 1)] = Cvt<D>::store(round_to<D>(gate / (1.f + __expf(-gate))) * round_to<D>(v));
+        hp[row0 + (q >> 1)] = Cvt<D>::store(gated<D, EPI_SILU>(gate, round_to<D>(v)));
       }
     }
   }

@@ -83,10 +83,15 @@ def test_add_rms_norm_linear(dtype, m, n, k):
         assert rel(y, R.linear(normed.float(), w.float(), f(b))) < TOL[dtype] / 2
 
 
+ACTS = {"silu": ("add_rms_norm_gate_up", "silu_and_mul"), "gelu": ("add_rms_norm_gate_up_gelu", "gelu_tanh_and_mul")}
+
+
+@pytest.mark.parametrize("act_name", list(ACTS))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,k", SHAPES)
-def test_add_rms_norm_gate_up(dtype, m, n, k):
-    """The MLP's input: norm, [gate | up] projection and SiLU-and-mul; with and without a residual. Against fp32,
+def test_add_rms_norm_gate_up(dtype, m, n, k, act_name):
+    """The MLP's input: norm, [gate | up] projection and SiLU-and-mul (or Gemma's GeGLU, gelu_tanh(gate) * up);
+    with and without a residual. Against fp32,
     fp16 gets twice the tolerance, and either dtype `bound`'s: the op carries the roundings of three (the norm,
     the projection's gate and up, SiLU-and-mul), each as the reference rounds them. That it rounds as the
     reference does is checked tightly on the gemv path, against the reference's steps in the dtype with an fp32
@@ -97,18 +102,19 @@ def test_add_rms_norm_gate_up(dtype, m, n, k):
     res = torch.randn(m, k, device="cuda").to(dtype) * 2
     norm_w = (1 + 0.1 * torch.randn(k, device="cuda")).to(dtype)
     assert K._norm_gemv_ok(x, res, norm_w, w) == uses_gemv(dtype, m, k)
+    op, act_op = ACTS[act_name]
     for r in (None, res):
         poison()
-        act, new_res = K.add_rms_norm_gate_up(x, r, norm_w, 1e-5, w)
-        ref_act, ref_res = R.add_rms_norm_gate_up(x.float(), None if r is None else r.float(), norm_w.float(), 1e-5,
-                                                  w.float())
-        tol = bound(dtype, R.add_rms_norm_gate_up(x, r, norm_w, 1e-5, w)[0], ref_act)
+        act, new_res = getattr(K, op)(x, r, norm_w, 1e-5, w)
+        ref_act, ref_res = getattr(R, op)(x.float(), None if r is None else r.float(), norm_w.float(), 1e-5,
+                                          w.float())
+        tol = bound(dtype, getattr(R, op)(x, r, norm_w, 1e-5, w)[0], ref_act)
         if dtype == torch.float16:
             tol = max(tol, 2 * TOL[dtype])
         assert act.shape == (m, n) and rel(act, ref_act) < tol and rel(new_res, ref_res) < TOL[dtype]
         if uses_gemv(dtype, m, k):               # (cuBLAS's fp16 sums are not fp32's)
             normed = R.rms_norm(x, norm_w, 1e-5) if r is None else R.fused_add_rms_norm(x, r, norm_w, 1e-5)[0]
-            same = R.silu_and_mul(R.linear(normed.float(), w.float()).to(dtype))
+            same = getattr(R, act_op)(R.linear(normed.float(), w.float()).to(dtype))
             assert rel(act, same) < TOL[dtype] / 2
 
 

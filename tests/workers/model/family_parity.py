@@ -50,9 +50,8 @@ def hf_reference(path: Path, dtype: Any = None, device: str = "cpu") -> Any:
 
 def greedy(model: Any, prompt: list[int], n: int) -> list[int]:
     """transformers' greedy continuation of `prompt`, `n` tokens, on the model's device: each token the argmax
-    of its forward over the whole sequence (no cache). On an H100, transformers 5.17's cached generate chose
-    another first token than its own forward (top-2 gap 0.95) for a 385-token prompt of the windowed Qwen3 and
-    Phi-3, whose logits ours match to 2e-6."""
+    of its forward over the whole sequence (no cache), EOS masked throughout (min_new_tokens=n), as the engine's
+    requests with `min_new_tokens` mask it."""
     ids = torch.tensor([prompt], device=model.device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                          do_sample=False, pad_token_id=0, use_cache=False)
@@ -60,13 +59,13 @@ def greedy(model: Any, prompt: list[int], n: int) -> list[int]:
 
 
 def check_parity(path: Path, prompts: list[list[int]], new_tokens: int = 32, tol: float = 1e-4,
-                 device: str = "cpu", **engine_options: Any) -> float:
+                 device: str = "cpu", ref_device: str | None = None, **engine_options: Any) -> float:
     """Our engine (fp32, 16-token blocks, prefix caching on, steps of at most 64 tokens so that prompts are
-    chunked; on `device`, the CPU unless given) against transformers on the same device: every prompt's greedy
-    continuation, batched; then each prompt's second half behind the first half of the first prompt (its blocks
-    cached by then); the logits of the first prompt's last position. Returns that logits' relative error
-    (asserted below `tol`)."""
-    hf = hf_reference(path, device=device)
+    chunked; on `device`, the CPU unless given) against transformers on `ref_device` (the same device unless
+    given): every prompt's greedy continuation, batched; then each prompt's second half behind the first half of
+    the first prompt (its blocks cached by then); the logits of the first prompt's last position. Returns that
+    logits' relative error (asserted below `tol`)."""
+    hf = hf_reference(path, device=ref_device or device)
     options = dict(num_blocks=128, block_size=16, max_batch_tokens=64, max_num_seqs=8, enable_prefix_caching=True,
                    device=device)
     engine = make_engine(path, **{**options, **engine_options})
@@ -84,7 +83,7 @@ def check_parity(path: Path, prompts: list[list[int]], new_tokens: int = 32, tol
     engine.add_request(1, prompts[0], SamplingParams(max_new_tokens=1))
     logits = engine.runner.execute(engine.scheduler.schedule())[0]
     with torch.no_grad():
-        ref = hf(torch.tensor([prompts[0]], device=device)).logits[0, -1]
+        ref = hf(torch.tensor([prompts[0]], device=hf.device)).logits[0, -1].to(logits.device)
     err = (torch.linalg.norm(logits - ref) / torch.linalg.norm(ref)).item()
     assert err < tol, f"logits' relative error {err:.2e}"
     return err

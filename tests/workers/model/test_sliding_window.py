@@ -119,10 +119,12 @@ FAMILIES = ["qwen3", "gemma2", "gemma3", "phi3"]
 def test_families_on_cuda_fp32_match_transformers(tmp_path, family):
     """fp32 on the GPU with the CUDA op set and its graphs (the split decode kernel, SDPA per sequence, the
     capped fp32 path): prompts of 300–600 tokens past a 100-token window, greedy tokens and logits equal to
-    transformers' on the GPU."""
+    transformers' in fp32 on the CPU. (transformers' own forward on an H100 chose other tokens than its CPU
+    forward for the windowed Qwen3 and Phi-3 where the top two logits were 0.08–0.14 apart in fp64; ours chose
+    the fp64 forward's.)"""
     path = _gpu_model(tmp_path, family)
-    check_parity(path, prompts_for(f"{family}-gpu", [300, 600, 450]), tol=1e-3, device="cuda", dtype="float32",
-                 kernels="cuda", num_blocks=512, max_batch_tokens=256, max_num_seqs=8)
+    check_parity(path, prompts_for(f"{family}-gpu", [300, 600, 450]), tol=1e-3, device="cuda", ref_device="cpu",
+                 dtype="float32", kernels="cuda", num_blocks=512, max_batch_tokens=256, max_num_seqs=8)
 
 
 @pytest.mark.gpu
