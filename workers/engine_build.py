@@ -101,9 +101,14 @@ def build(config: EngineConfig, model_path: Path | None = None, tp: TPGroup | No
     if kv_dt != dtype and kernels == "cuda":       # before any weight is read
         raise InvalidParameterError("kv_cache_dtype", "an fp8 KV cache needs kernels='reference': the CUDA "
                                     "attention kernels read K/V in the model's dtype")
+    quant = load_quantization(model_path, quantization)
+    if kv_dt != dtype and quant is not None and quant.kv_scales:
+        raise InvalidParameterError("kv_cache_dtype", "this checkpoint's quantization_config.kv_cache_scheme holds "
+                                    "calibrated K/V scales, which an fp8 KV cache does not apply yet: serve it with "
+                                    "kv_cache_dtype='auto' (K/V in the model dtype, where the scales are not needed)")
     reader = TensorReader(weights) if weights is not None else WeightReader(model_path)
     model = model_class(spec).load(spec, reader, dtype, device, max_model_len, get_ops(kernels, kernel_config), tp,
-                                   quant=load_quantization(model_path, quantization))
+                                   quant=quant)
     kv_spec = dataclasses.replace(spec, num_kv_heads=model.num_kv_heads)   # this rank's KV heads
     load_seconds = time.perf_counter() - t0
     cc = config.cache

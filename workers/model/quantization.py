@@ -10,8 +10,11 @@ Two checkpoint formats are loaded, both FP8 e4m3 weights [N, K] beside fp32 scal
 - transformers' fine-grained FP8 (`quant_method: "fp8"`, `weight_block_size: [128, 128]`, DeepSeek's layout):
   `<linear>.weight_scale_inv` [ceil(N/128), ceil(K/128)], dynamic activations.
 Which linears are FP8 is read from the tensors themselves (an ignored module is stored in the model dtype).
-Anything else under `quantization_config` (GPTQ, AWQ, bitsandbytes, integer formats, an FP8 KV cache scheme) is
-refused naming the field: its weights would otherwise load without their scales and answer wrong tokens.
+A compressed-tensors `kv_cache_scheme` (K/V scales per layer, for an FP8 KV cache) loads with the KV cache in the
+model dtype, where the scales are not needed; an FP8 KV cache does not apply them yet, so `kv_cache_dtype="fp8"`
+is refused for such a checkpoint (engine_build.py). Anything else under `quantization_config` (GPTQ, AWQ,
+bitsandbytes, integer formats) is refused naming the field: its weights would otherwise load without their
+scales and answer wrong tokens.
 
 `quantization="fp8"` on a checkpoint in bf16/fp16/fp32 quantizes the linear weights at load, per output channel;
 `quantization="int4"` (the CPU's) quantizes them to 4 bits in groups of 32 columns and the output head to int8
@@ -39,6 +42,8 @@ class WeightQuant:
     scale_suffix: str = ""          # `<linear>.<suffix>` holds a checkpoint weight's scales; "" when quantized at load
     static_activations: bool = False    # the checkpoint holds `<linear>.input_scale`: activations quantized with
                                         # it rather than per token
+    kv_scales: bool = False         # the checkpoint holds calibrated K/V scales (`kv_cache_scheme`), for an FP8
+                                    # KV cache; with the cache in the model dtype they are not needed
 
     @property
     def at_load(self) -> bool:
@@ -99,8 +104,7 @@ def _compressed_tensors(qc: dict[str, Any]) -> WeightQuant:
     where = f"compressed-tensors, format {fmt!r}"
     if fmt != "float-quantized":
         raise _refuse("format", fmt, "only float-quantized (FP8 e4m3) checkpoints load", where)
-    if qc.get("kv_cache_scheme") is not None:
-        raise _refuse("kv_cache_scheme", qc["kv_cache_scheme"], "the KV cache is held in the model dtype", where)
+    kv_scales = _ct_kv_cache(qc.get("kv_cache_scheme"), where)
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise _refuse("config_groups", groups, "one or more quantization groups are needed", where)
@@ -120,7 +124,22 @@ def _compressed_tensors(qc: dict[str, Any]) -> WeightQuant:
         raise _refuse("config_groups", sorted(groups), "every group must share one weight and activation scheme",
                       where)
     (strategy, static), = schemes
-    return WeightQuant("compressed-tensors", strategy, "weight_scale", static)
+    return WeightQuant("compressed-tensors", strategy, "weight_scale", static, kv_scales)
+
+
+def _ct_kv_cache(args: Any, where: str) -> bool:
+    """Whether the checkpoint holds K/V scales: an FP8 KV cache scheme of one static scale a layer for K and
+    one for V (`self_attn.k_scale`, `self_attn.v_scale`), as llm-compressor writes it."""
+    if args is None:
+        return False
+    args = _ct_float8(args, "kv_cache_scheme", where)
+    if args.get("strategy", "tensor") != "tensor":
+        raise _refuse("kv_cache_scheme.strategy", args.get("strategy"), "K/V scales per tensor (one a layer) load",
+                      where)
+    if args.get("dynamic", False) is not False:
+        raise _refuse("kv_cache_scheme.dynamic", args.get("dynamic"), "K/V scales are stored in the checkpoint",
+                      where)
+    return True
 
 
 def _ct_float8(args: Any, field: str, where: str) -> dict[str, Any]:

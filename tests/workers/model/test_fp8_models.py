@@ -150,6 +150,28 @@ def test_fp8_moe_checkpoint_keeps_experts_dense(tmp_path):
     check_against(engine, save_like(src, dequantize_checkpoint(ckpt), tmp_path / "deq"))
 
 
+def test_kv_cache_scheme_checkpoint_loads_with_the_cache_in_the_model_dtype(tmp_path):
+    """A compressed-tensors checkpoint with a kv_cache_scheme (a K and a V scale a layer, as llm-compressor writes
+    them) loads with the KV cache in the model dtype and answers exactly as the same checkpoint without the
+    scheme; an fp8 KV cache, which would not apply the scales, is refused naming kv_cache_dtype."""
+    from mii_async.errors import InvalidParameterError
+    from mii_async.workers.model.fp8_checkpoint import FP8CheckpointWriter
+
+    src = tiny_llama(tmp_path / "float")
+    plain = fp8_checkpoint(src, tmp_path / "plain", "channel")
+    writer = FP8CheckpointWriter(tmp_path / "kv", json.loads((src / "config.json").read_text()), "channel")
+    writer.config["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "symmetric": True,
+                                                               "strategy": "tensor", "dynamic": False}
+    writer.append(float_tensors(src))
+    writer.append({f"model.layers.{i}.self_attn.{n}_scale": torch.tensor(0.02) for i in range(2) for n in "kv"})
+    with_kv = writer.finish()
+    a = last_logits(make_engine(plain, **OPTIONS), PROMPTS[2])
+    assert torch.equal(last_logits(make_engine(with_kv, **OPTIONS), PROMPTS[2]), a)
+    with pytest.raises(InvalidParameterError) as e:
+        make_engine(with_kv, **OPTIONS, kv_cache_dtype="fp8")
+    assert e.value.param == "kv_cache_dtype" and "kv_cache_scheme" in str(e.value)
+
+
 def test_block_scales_follow_rows_and_columns(tmp_path):
     """Block scales of a weight whose sides are not multiples of 128 dequantize as the whole weight does, for
     every row span and for whole-block column spans; a column span inside a block is refused naming
