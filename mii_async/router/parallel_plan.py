@@ -42,14 +42,32 @@ def gpu_memory_bytes() -> list[int]:
 def weight_bytes(model_path: Path, dtype: str, quantization: str | None = None) -> int:
     """The weights' size once loaded in `dtype` (auto: bfloat16 on GPU), or quantized to FP8 at load (one byte a
     weight; the embeddings, which stay in `dtype`, are counted as FP8 too: a plan, not an inventory). A
-    checkpoint that is FP8 already is counted as it is stored."""
+    checkpoint that is FP8 already is counted as it is stored, except a mixture's FP8 experts, which load in
+    `dtype` (workers/model/layers/moe.py)."""
     cfg = json.loads((model_path / "config.json").read_text())
     stored = _ITEMSIZE.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), 4)
+    files = sorted(model_path.glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in files)
     if cfg.get("quantization_config"):
-        return sum(f.stat().st_size for f in model_path.glob("*.safetensors"))
+        if cfg.get("num_experts") or cfg.get("num_local_experts"):
+            size += _fp8_expert_bytes(files) * (_ITEMSIZE.get(dtype, 2) - 1)
+        return size
     target = 1 if quantization == "fp8" else _ITEMSIZE.get(dtype, 2)
-    size = sum(f.stat().st_size for f in model_path.glob("*.safetensors"))
     return size * target // stored
+
+
+def _fp8_expert_bytes(files: list[Path]) -> int:
+    """Bytes of the e4m3 expert weights (`….experts.….weight`) in these safetensors files, from their headers (an
+    8-byte little-endian length, then JSON naming each tensor's dtype and byte range)."""
+    total = 0
+    for f in files:
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        for name, meta in header.items():
+            if name != "__metadata__" and ".experts." in name and meta.get("dtype") == "F8_E4M3":
+                start, end = meta["data_offsets"]
+                total += end - start
+    return total
 
 
 def plan_tensor_parallel(model_path: Path, dtype: str, device: str, gpus: list[int] | None = None,

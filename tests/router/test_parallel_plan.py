@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from mii_async.router.parallel_plan import plan_tensor_parallel
+from mii_async.router.parallel_plan import plan_tensor_parallel, weight_bytes
 
 
 def _model(tmp_path, weight_bytes: int, heads: int = 32, kv: int = 8):
@@ -35,3 +35,25 @@ def test_smallest_fitting_degree(tmp_path):
                                                  "intermediate_size": 1536, "vocab_size": 49152,
                                                  "torch_dtype": "bfloat16"}))
     assert plan_tensor_parallel(path, "auto", "auto", gpus=[12 * 2**30] * 4)[0] == 3
+
+
+def test_fp8_checkpoints_count_as_loaded(tmp_path):
+    """An FP8 checkpoint counts as stored, but a mixture's e4m3 experts count at the model dtype's two bytes a
+    weight, since they are dequantized as they load; quantization="fp8" halves a bf16 checkpoint."""
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = {"model.layers.0.self_attn.q_proj.weight": torch.zeros(64, 64, dtype=torch.float8_e4m3fn),
+               "model.layers.0.mlp.experts.0.down_proj.weight": torch.zeros(64, 32, dtype=torch.float8_e4m3fn),
+               "model.layers.0.mlp.experts.0.down_proj.weight_scale": torch.ones(64, 1),
+               "model.embed_tokens.weight": torch.zeros(100, 64, dtype=torch.bfloat16)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    stored = (tmp_path / "model.safetensors").stat().st_size
+    cfg = {"torch_dtype": "bfloat16", "quantization_config": {"quant_method": "compressed-tensors"}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert weight_bytes(tmp_path, "auto") == stored
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_experts": 8}))
+    assert weight_bytes(tmp_path, "auto") == stored + 64 * 32
+    assert weight_bytes(tmp_path, "float32") == stored + 3 * 64 * 32
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    assert weight_bytes(tmp_path, "auto", "fp8") == stored // 2
