@@ -256,8 +256,7 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     hkv = k.shape[1]
     fused = qk_norm is not None and q.dtype != torch.float32 and d in (16, 32, 64, 128, 256)
     if qk_norm is not None and not fused:
-        q = rms_norm(q.reshape(t * hq, d), qk_norm[0], qk_norm[2], config=config).view(t, hq, d)
-        k = rms_norm(k.reshape(t * hkv, d), qk_norm[1], qk_norm[2], config=config).view(t, hkv, d)
+        q, k = reference.head_norms(q, k, qk_norm, functools.partial(rms_norm, config=config))
     for name, x in (("q", q), ("k", k), ("v", v)):
         assert x.stride(2) == 1 and x.stride(1) == d, f"{name}: heads must be contiguous, got strides {x.stride()}"
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == q.dtype
