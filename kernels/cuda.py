@@ -11,7 +11,8 @@ Prompt chunks go through torch's variable-length flash attention, all chunks of 
 (`decode_supported`), run the torch reference on the GPU. A mixture of experts' experts (cuda_moe.py) run
 through moe_gemv.cu for a few tokens and as grouped GEMMs over the tokens sorted by expert beyond. A
 projection whose weight is FP8 (fp8_weight.py) goes to fp8_linear.py: an FP8 GEMV of a few rows,
-torch._scaled_mm beyond.
+torch._scaled_mm beyond. An FP8 KV cache (kv_store.py) is written by the rotary kernel and read by the decode
+kernels compiled for it (MII_KV_FP8); prompt chunks widen what they gather.
 The ops in CONFIGURED take the KernelConfig (config.py) as `config=`; get_ops("cuda", config) binds it.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ from . import cuda_moe, fp8_linear, reference
 from .config import DEFAULT, KernelConfig
 from .decode_attention import decode_supported, paged_attention_decode  # noqa: F401 (the op set)
 from .fp8_weight import FP8Weight
+from .kv_store import FP8_KV
 from .launch import launch as _launch, ptr as _ptr, sm_count as _sm_count
 from .metadata import AttentionMetadata
 from .prefill_attention import prefill_attention  # noqa: F401 (the op set)
@@ -259,7 +261,8 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         q, k = reference.head_norms(q, k, qk_norm, functools.partial(rms_norm, config=config))
     for name, x in (("q", q), ("k", k), ("v", v)):
         assert x.stride(2) == 1 and x.stride(1) == d, f"{name}: heads must be contiguous, got strides {x.stride()}"
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == q.dtype
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype in (q.dtype, FP8_KV)
+    defines = ("MII_KV_FP8",) if k_cache.dtype == FP8_KV else ()
     q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     if not t:
         return q_out
@@ -269,10 +272,10 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     if fused:
         _launch("rotary_kv", "rotary_norm_write_kv", q.dtype, (t,), (32 * min(32, hq + hkv),),
                 (*args, _ptr(qk_norm[0].contiguous()), _ptr(qk_norm[1].contiguous()), np.float32(qk_norm[2])),
-                pdl=config.pdl)
+                defines=defines, pdl=config.pdl)
     else:
         _launch("rotary_kv", "rotary_write_kv", q.dtype, (t,), (_threads(max(hq, hkv) * d // 2),), args,
-                pdl=config.pdl)
+                defines=defines, pdl=config.pdl)
     return q_out
 
 

@@ -6,6 +6,9 @@ KV head) combines the others in the same launch, csrc/decode_combine.cuh):
   - split (csrc/paged_attention_decode.cu): two phases, every shape decode_supported() admits.
 KernelConfig.decode_kernel (or `kernel=`) picks one; it takes the next where it does not apply.
 
+An FP8 cache (kv_cache_dtype="fp8") takes the kernels compiled with MII_KV_FP8: mma and split read e4m3 K/V
+(the queries and output stay in the model dtype); stream does not, and gives way to split.
+
 A sliding window W moves each sequence's partitions to start at max(0, context - W): the grid covers
 min(max_context_len, W) tokens, a per-layer constant under a CUDA graph's fixed context cap, and the blocks
 before the window are never read. A soft-cap c turns each score s·scale into c·tanh(s·scale / c) before the
@@ -18,6 +21,7 @@ import numpy as np
 import torch
 
 from .config import DECODE_KERNELS, DEFAULT, GRID_ORDERS, KernelConfig
+from .kv_store import FP8_KV
 from .launch import launch as _launch, ptr as _ptr, sm_count as _sm_count
 
 DECODE_THREADS = 128            # NUM_THREADS in paged_attention_decode.cu
@@ -26,6 +30,8 @@ PARTITIONS = (512, 256, 128, 64, 32)   # decode split lengths, in tokens, longes
 # The one-pass kernels' shared-memory rings, per warp: STAGES (2 and 4 there) × rows a stage holds (16 and 4)
 # × (K, V) × head dim 128 × 2 bytes.
 RING_BYTES_PER_WARP = {"mma": 2 * 16 * 2 * 128 * 2, "stream": 4 * 4 * 2 * 128 * 2}
+# Over an e4m3 cache (MII_KV_FP8) mma's ring holds 1-byte rows, and a warp's fp16 copy of a V tile follows it.
+RING_BYTES_PER_WARP_FP8 = {"mma": 2 * 16 * 2 * 128 + 16 * 128 * 2}
 
 
 _counters: dict[int, torch.Tensor] = {}
@@ -107,20 +113,24 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if s > 65535:
         grid = "sequences"             # a grid's y dimension holds 65,535 blocks: the sequences go on x then
     dims, defines = ((hkv, s, splits), ()) if grid == "kv_heads" else ((s, hkv, splits), ("MII_SEQ_MAJOR_GRID",))
+    fp8 = k_cache.dtype == FP8_KV
+    if fp8:
+        defines += ("MII_KV_FP8",)
     one_pass = ("mma" if kernel == "mma" and _mma_ok(q, hkv) else
-                "stream" if kernel in ("mma", "stream") and _stream_ok(q, hkv) else None)
+                "stream" if kernel in ("mma", "stream") and _stream_ok(q, hkv) and not fp8 else None)
     if one_pass is not None:
         name = f"paged_attention_{one_pass}"
         nwarps = DECODE_THREADS // 32
         if one_pass == "mma":
             nwarps = warps if warps is not None else config.mma_warps(s * hkv)
             name += "_w2" if nwarps == 2 else ""
+        ring = (RING_BYTES_PER_WARP_FP8 if fp8 else RING_BYTES_PER_WARP)[one_pass]
         _launch(f"paged_attention_{one_pass}", name, q.dtype, dims, (32 * nwarps,),
                 (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(bt), _ptr(cl), _ptr(out),
                  _ptr(part_out), _ptr(part_max), _ptr(part_sum),
                  _ptr(_split_counters(s * hkv, q.device)), np.int32(hq), np.int32(hkv),
                  np.int32(bs), np.int32(bt.shape[1]), np.int32(partition), np.float32(scale), *extra),
-                shared_mem=nwarps * RING_BYTES_PER_WARP[one_pass] + 8 * (partition // bs + 2),  # rings, block ids
+                shared_mem=nwarps * ring + 8 * (partition // bs + 2),  # rings, block ids
                 defines=defines, pdl=config.pdl)
         return out
     gbound = next(b for b in (4, 8, MAX_GQA) if g <= b)       # the kernel sized for this GQA ratio

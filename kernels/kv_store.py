@@ -36,3 +36,11 @@ def store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
     else:
         x = x.to(cache.dtype)
     _bytes(cache).view(n * bs, h, d).index_copy_(0, slots, x)
+
+
+def gather(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cache [N, bs, Hkv, D] at flat slots `index` (1-D) → [len(index), Hkv, D] in `dtype` (widened from e4m3
+    where the cache is FP8)."""
+    n, bs, h, d = cache.shape
+    rows = torch.index_select(_bytes(cache).view(n * bs, h, d), 0, index)
+    return rows.view(cache.dtype).to(dtype) if cache.dtype == FP8_KV else rows.to(dtype)

@@ -8,7 +8,7 @@ window is flash's left window. Scores stay in fp32. The gather takes a group's w
 the key layout is the step's, one for every layer. Other dtypes, or a torch without flash attention, go one
 sequence at a time through SDPA's fused kernels (`_prefill_per_sequence`), as does a window where this torch's
 flash forward takes none; soft-capped attention (Gemma 2), which flash does not take here, through the
-reference's fp32 path.
+reference's fp32 path. An FP8 cache's keys and values are widened to the queries' dtype as they are gathered.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import reference
+from . import kv_store, reference
 from .metadata import AttentionMetadata, PrefillGroup
 
 
@@ -35,14 +35,13 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     groups = meta.prefill_groups
     if groups is None:                      # metadata not built by the runner (tests, tools): build it here
         groups = _groups_from(meta, k_cache.shape[1], q.device)
-    n, bs, hkv, d = k_cache.shape
-    keys, vals = k_cache.view(n * bs, hkv, d), v_cache.view(n * bs, hkv, d)
     # flash's window: a query at (aligned) position i sees keys i - left … i + right
     sliding = dict(window_size_left=window - 1, window_size_right=0) if window is not None else {}
     for g in groups:
         a, b = g.rows
         o = torch.ops.aten._flash_attention_forward(
-            q[a:b], keys.index_select(0, g.kv_slots), vals.index_select(0, g.kv_slots), g.cu_q, g.cu_k,
+            q[a:b], kv_store.gather(k_cache, g.kv_slots, q.dtype), kv_store.gather(v_cache, g.kv_slots, q.dtype),
+            g.cu_q, g.cu_k,
             g.max_q, g.max_k, 0.0, True, False, scale=scale, **sliding)[0]
         out[a:b] = o
 
@@ -88,8 +87,8 @@ def _prefill_per_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         lo = max(0, clen - qlen - window + 1) if window is not None else 0
         blocks = meta.block_tables[s, lo // bs:-(-clen // bs)]
         first = lo // bs * bs                                              # the gather's first position
-        keys = k_cache[blocks].flatten(0, 1)[lo - first:clen - first]      # [C', Hkv, D]
-        vals = v_cache[blocks].flatten(0, 1)[lo - first:clen - first]
+        keys = kv_store.select_blocks(k_cache, blocks).flatten(0, 1)[lo - first:clen - first].to(q.dtype)
+        vals = kv_store.select_blocks(v_cache, blocks).flatten(0, 1)[lo - first:clen - first].to(q.dtype)
         if hq != hkv:
             keys = keys.repeat_interleave(hq // hkv, dim=1)
             vals = vals.repeat_interleave(hq // hkv, dim=1)

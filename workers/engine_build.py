@@ -98,14 +98,13 @@ def build(config: EngineConfig, model_path: Path | None = None, tp: TPGroup | No
     max_model_len = min(mc.max_model_len or limit, limit)
     t0 = time.perf_counter()
     kv_dt = kv_dtype(config.cache.kv_cache_dtype, dtype)
-    if kv_dt != dtype and kernels == "cuda":       # before any weight is read
-        raise InvalidParameterError("kv_cache_dtype", "an fp8 KV cache needs kernels='reference': the CUDA "
-                                    "attention kernels read K/V in the model's dtype")
+    if kv_dt != dtype and kernels == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise InvalidParameterError("kv_cache_dtype", "an fp8 KV cache on the CUDA kernels needs a GPU with FP8 "
+                                    "conversions (compute capability 8.9 or later); kernels='reference' runs it "
+                                    "anywhere")
     quant = load_quantization(model_path, quantization)
-    if kv_dt != dtype and quant is not None and quant.kv_scales:
-        raise InvalidParameterError("kv_cache_dtype", "this checkpoint's quantization_config.kv_cache_scheme holds "
-                                    "calibrated K/V scales, which an fp8 KV cache does not apply yet: serve it with "
-                                    "kv_cache_dtype='auto' (K/V in the model dtype, where the scales are not needed)")
+    if kv_dt != dtype and quant is not None and quant.kv_scales:    # the e4m3 cache takes the calibrated scales
+        quant = dataclasses.replace(quant, fold_kv_scales=True)
     reader = TensorReader(weights) if weights is not None else WeightReader(model_path)
     model = model_class(spec).load(spec, reader, dtype, device, max_model_len, get_ops(kernels, kernel_config), tp,
                                    quant=quant)

@@ -12,7 +12,7 @@
 // after it ((k + 32) · 4 bytes: QUANT_SMEM_EXTRA in kernels/fp8_linear.py). The kernel has no static shared
 // memory, so that the host's dynamic request is its whole footprint: launch.py raises the block's limit above
 // the 48 KiB default by that request alone.
-#include "common.cuh"
+#include "fp8.cuh"
 
 #define PRO_NONE 0
 #define PRO_NORM 1
@@ -36,17 +36,6 @@ __device__ __forceinline__ float block_reduce(float v, float* partial) {
   v = partial[0];
   __syncthreads();
   return v;
-}
-
-// v (already divided by its scale) → e4m3 bits.
-__device__ __forceinline__ unsigned char to_e4m3(float v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  unsigned short pair;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %1;" : "=h"(pair) : "f"(v));   // both halves v: either byte is it
-  return (unsigned char)(pair & 0xffu);
-#else
-  return 0;     // FP8 GEMMs need sm_89 or later: the host never launches this below it
-#endif
 }
 
 template <typename D, int PRO>

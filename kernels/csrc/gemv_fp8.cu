@@ -25,6 +25,7 @@
 // shared memory within its limit. The norm's per-warp sums follow xin in the same dynamic buffer (FP8_WARPS·M
 // floats, FP8_GEMV_RED in kernels/fp8_linear.py): with no static shared memory, the host's dynamic request is
 // the kernel's whole footprint, and launch.py raises the 48 KiB default by that request alone.
+#include "fp8.cuh"
 #include "gemv_common.cuh"
 
 #ifndef FP8_M
@@ -38,16 +39,6 @@
 #define FP8_THREADS (FP8_WARPS * 32)
 #define STAGE 4                 // x chunks per thread in flight while staging
 #define CHUNKS_PER_BLOCK 8      // 16-byte chunks of e4m3 in a 128-column scale block
-
-// Four e4m3 weights (bytes 0..3 of w) → floats, each 2^-8 times its value (see the top of the file).
-__device__ __forceinline__ void widen4(unsigned w, float& e0, float& e1, float& e2, float& e3) {
-  const unsigned a = ((w << 8) & 0x80008000u) | ((w << 7) & 0x3f803f80u);   // f16x2 of bytes 0 (lo) and 2 (hi)
-  const unsigned b = (w & 0x80008000u) | ((w >> 1) & 0x3f803f80u);          // f16x2 of bytes 1 and 3
-  e0 = f16_to_float((f16_t)(a & 0xffffu));
-  e2 = f16_to_float((f16_t)(a >> 16));
-  e1 = f16_to_float((f16_t)(b & 0xffffu));
-  e3 = f16_to_float((f16_t)(b >> 16));
-}
 
 // A group of a row's chunks, and with block scales each chunk's scale.
 template <int EPI>

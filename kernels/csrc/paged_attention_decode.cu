@@ -20,8 +20,13 @@
 //        PV_UNROLL times over, the next ones in flight while these are multiplied; the first before QK), for up
 //        to 4 query heads at a time; partial sums meet by shuffles within the warp, then across warps in shared
 //        memory.
+//
+// Compiled with MII_KV_FP8 the caches are e4m3 (kv_cache_dtype="fp8"): a lane loads 8 bytes (8 elements) where
+// it loads 16 of a 16-bit cache, so that the loops keep their shapes; the widened elements are 2^-8 times their
+// values (fp8.cuh), a factor folded into the score scale for K and into the final normalisation for V.
 #include "common.cuh"
 #include "decode_combine.cuh"
+#include "fp8.cuh"
 
 #define NUM_THREADS 128
 #define NUM_WARPS (NUM_THREADS / 32)
@@ -44,23 +49,22 @@
 #endif
 constexpr int kQkUnroll = QK_UNROLL;   // (#pragma unroll takes a constant, not a macro)
 
-// 16 bytes of a cache row: 8 elements of a 16-bit type, 4 of float. Loads keep them packed (4 registers)
-// until the arithmetic, so that more rows can be in flight.
-template <typename D> struct Chunk { static constexpr int N = 8; };
-template <> struct Chunk<F32> { static constexpr int N = 4; };
+// A chunk of a cache row as a lane loads it: 16 bytes (8 elements of a 16-bit type, 4 of float), or 8 bytes
+// (8 e4m3 elements). Loads keep them packed until the arithmetic, so that more rows can be in flight. `unit`:
+// what the unpacked elements are multiplied by to be the cache's values.
+template <typename C> struct Chunk { static constexpr int N = 8; typedef uint4 Raw; static constexpr float unit = 1.f; };
+template <> struct Chunk<F32> { static constexpr int N = 4; typedef uint4 Raw; static constexpr float unit = 1.f; };
+template <> struct Chunk<E4M3> { static constexpr int N = 8; typedef uint2 Raw; static constexpr float unit = E4M3_UNIT; };
 
-__device__ __forceinline__ uint4 zero_chunk() {
-  uint4 z;
-  z.x = z.y = z.z = z.w = 0u;
-  return z;
-}
-template <typename D>
-__device__ __forceinline__ void unpack(const uint4& raw, float* out) {
+__device__ __forceinline__ void zero_chunk(uint4& z) { z.x = z.y = z.z = z.w = 0u; }
+__device__ __forceinline__ void zero_chunk(uint2& z) { z.x = z.y = 0u; }
+template <typename C>
+__device__ __forceinline__ void unpack(const typename Chunk<C>::Raw& raw, float* out) {
   const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    out[2 * i] = Cvt<D>::load((typename D::T)(w[i] & 0xffffu));
-    out[2 * i + 1] = Cvt<D>::load((typename D::T)(w[i] >> 16));
+    out[2 * i] = Cvt<C>::load((typename C::T)(w[i] & 0xffffu));
+    out[2 * i + 1] = Cvt<C>::load((typename C::T)(w[i] >> 16));
   }
 }
 template <>
@@ -68,33 +72,41 @@ __device__ __forceinline__ void unpack<F32>(const uint4& raw, float* out) {
   out[0] = __uint_as_float(raw.x); out[1] = __uint_as_float(raw.y);
   out[2] = __uint_as_float(raw.z); out[3] = __uint_as_float(raw.w);
 }
-template <typename D>
-__device__ __forceinline__ void load_chunk(const typename D::T* p, float* out) {
-  unpack<D>(*reinterpret_cast<const uint4*>(p), out);
+template <>
+__device__ __forceinline__ void unpack<E4M3>(const uint2& raw, float* out) {
+  widen4(raw.x, out[0], out[1], out[2], out[3]);
+  widen4(raw.y, out[4], out[5], out[6], out[7]);
+}
+template <typename C>
+__device__ __forceinline__ void load_chunk(const typename C::T* p, float* out) {
+  unpack<C>(*reinterpret_cast<const typename Chunk<C>::Raw*>(p), out);
 }
 // PV_UNROLL V chunks at `dim0` of rows base, base + step, … (zeros past n).
-template <typename D>
-__device__ __forceinline__ void load_v(uint4 (&r)[PV_UNROLL], const typename D::T* __restrict__ v_cache,
+template <typename C>
+__device__ __forceinline__ void load_v(typename Chunk<C>::Raw (&r)[PV_UNROLL], const typename C::T* __restrict__ v_cache,
                                        const long long* rows, int base, int step, int n, int dim0) {
 #pragma unroll
   for (int u = 0; u < PV_UNROLL; ++u) {
     const int i = base + u * step;
-    r[u] = i < n ? *reinterpret_cast<const uint4*>(v_cache + rows[i] + dim0) : zero_chunk();
+    if (i < n) r[u] = *reinterpret_cast<const typename Chunk<C>::Raw*>(v_cache + rows[i] + dim0);
+    else zero_chunk(r[u]);
   }
 }
 
 // A score after its scale, soft-capped where `cap` > 0.
 __device__ __forceinline__ float soft_cap(float x, float cap) { return cap > 0.f ? cap * tanhf(x / cap) : x; }
 
-template <typename D, int MAX_G>
-__device__ void decode_partition(const typename D::T* __restrict__ q, const typename D::T* __restrict__ k_cache,
-                                 const typename D::T* __restrict__ v_cache, const long long* __restrict__ block_tables,
+template <typename D, typename C, int MAX_G>
+__device__ void decode_partition(const typename D::T* __restrict__ q, const typename C::T* __restrict__ k_cache,
+                                 const typename C::T* __restrict__ v_cache, const long long* __restrict__ block_tables,
                                  const long long* __restrict__ context_lens, typename D::T* __restrict__ out,
                                  float* __restrict__ part_out, float* __restrict__ part_max,
                                  float* __restrict__ part_sum, int* __restrict__ counters, int num_q_heads,
                                  int num_kv_heads, int head_dim, int block_size, int max_blocks, int partition,
                                  float scale, int window, float softcap) {
-  constexpr int CN = Chunk<D>::N;
+  constexpr int CN = Chunk<C>::N;
+  typedef typename Chunk<C>::Raw Raw;
+  const float kscale = scale * Chunk<C>::unit;
   const int seq = grid_seq(), kvh = grid_kvh(), split = blockIdx.z, num_splits = gridDim.z;
   const int G = num_q_heads / num_kv_heads;
   const int ctx = (int)context_lens[seq];
@@ -125,15 +137,15 @@ __device__ void decode_partition(const typename D::T* __restrict__ q, const type
   const int n = min(start + partition, ctx) - start;
   if (n > 0) {                                   // else an empty partition of a shorter sequence
     __syncthreads();
-    const int chunks = head_dim / CN;              // 16-byte chunks per row
+    const int chunks = head_dim / CN;              // chunks per row
     // PV's layout (below), and its first V chunks, loaded now so that they arrive during QK and the softmax.
     int lanes = 32;
     while (lanes > 1 && chunks % lanes != 0) lanes >>= 1;
     if (lanes > chunks) lanes = chunks;
     const int rows_per_warp = 32 / lanes, slot = lane / lanes;
     const int row_step = NUM_WARPS * rows_per_warp, first = warp * rows_per_warp + slot;
-    uint4 pre[PV_UNROLL];
-    load_v<D>(pre, v_cache, rows, first, row_step, n, (lane % lanes) * CN);
+    Raw pre[PV_UNROLL];
+    load_v<C>(pre, v_cache, rows, first, row_step, n, (lane % lanes) * CN);
 
     // QK
     const int sub = lane % LANES_PER_TOKEN;        // this lane's place in its token group
@@ -144,19 +156,19 @@ __device__ void decode_partition(const typename D::T* __restrict__ q, const type
     for (int base = warp * TOKENS_PER_WARP; base < n; base += 2 * STRIDE) {        // warp-uniform
       const int ia = base + lane / LANES_PER_TOKEN, ib = ia + STRIDE;
       const bool va = ia < n, vb = ib < n;
-      const typename D::T* kpa = k_cache + (va ? rows[ia] : 0);
-      const typename D::T* kpb = k_cache + (vb ? rows[ib] : 0);
+      const typename C::T* kpa = k_cache + (va ? rows[ia] : 0);
+      const typename C::T* kpb = k_cache + (vb ? rows[ib] : 0);
       float da[MAX_G], db[MAX_G];
 #pragma unroll
       for (int g = 0; g < MAX_G; ++g) da[g] = db[g] = 0.f;
 #pragma unroll kQkUnroll
       for (int c = sub; c < chunks; c += LANES_PER_TOKEN) {
         float ka[CN], kb[CN];
-        if (va) load_chunk<D>(kpa + c * CN, ka);
+        if (va) load_chunk<C>(kpa + c * CN, ka);
         else
 #pragma unroll
           for (int e = 0; e < CN; ++e) ka[e] = 0.f;
-        if (vb) load_chunk<D>(kpb + c * CN, kb);
+        if (vb) load_chunk<C>(kpb + c * CN, kb);
         else
 #pragma unroll
           for (int e = 0; e < CN; ++e) kb[e] = 0.f;
@@ -181,8 +193,8 @@ __device__ void decode_partition(const typename D::T* __restrict__ q, const type
           x += __shfl_xor_sync(0xffffffffu, x, 2);
           y += __shfl_xor_sync(0xffffffffu, y, 2);
           if (sub == 0) {
-            if (va) scores[g * partition + ia] = soft_cap(x * scale, softcap);
-            if (vb) scores[g * partition + ib] = soft_cap(y * scale, softcap);
+            if (va) scores[g * partition + ia] = soft_cap(x * kscale, softcap);
+            if (vb) scores[g * partition + ib] = soft_cap(y * kscale, softcap);
           }
         }
       }
@@ -222,22 +234,22 @@ __device__ void decode_partition(const typename D::T* __restrict__ q, const type
           for (int a = 0; a < 4; ++a)
 #pragma unroll
             for (int e = 0; e < CN; ++e) acc[a][e] = 0.f;
-          uint4 cur[PV_UNROLL];
+          Raw cur[PV_UNROLL];
           if (cp == 0 && g0 == 0) {
 #pragma unroll
             for (int u = 0; u < PV_UNROLL; ++u) cur[u] = pre[u];
           } else {
-            load_v<D>(cur, v_cache, rows, first, row_step, n, dim0);
+            load_v<C>(cur, v_cache, rows, first, row_step, n, dim0);
           }
           for (int base = first; base < n; base += PV_UNROLL * row_step) {
-            uint4 nxt[PV_UNROLL];
-            load_v<D>(nxt, v_cache, rows, base + PV_UNROLL * row_step, row_step, n, dim0);
+            Raw nxt[PV_UNROLL];
+            load_v<C>(nxt, v_cache, rows, base + PV_UNROLL * row_step, row_step, n, dim0);
 #pragma unroll
             for (int u = 0; u < PV_UNROLL; ++u) {
               const int i = base + u * row_step;
               if (i < n) {
                 float vf[CN];
-                unpack<D>(cur[u], vf);
+                unpack<C>(cur[u], vf);
 #pragma unroll
                 for (int a = 0; a < 4; ++a) {
                   if (g0 + a < G) {
@@ -271,7 +283,7 @@ __device__ void decode_partition(const typename D::T* __restrict__ q, const type
       float total = 0.f;
 #pragma unroll
       for (int w = 0; w < NUM_WARPS; ++w) total += acc_s[(w * G + g) * head_dim + d];
-      float l = stat[MAX_G + g];
+      const float l = stat[MAX_G + g] / Chunk<C>::unit;   // V's widening factor undone with the sum
       if (num_splits == 1) {
         out[((long long)seq * num_q_heads + kvh * G + g) * head_dim + d] = Cvt<D>::store(total / l);
       } else {
@@ -291,13 +303,18 @@ __device__ void decode_partition(const typename D::T* __restrict__ q, const type
 
 // One decode kernel per bound on G = Hq / Hkv (4, 8, 16): the per-head score registers are sized by it, so
 // that the common G ≤ 4 keeps enough blocks resident per SM.
+#ifdef MII_KV_FP8
+#define KV(D) E4M3
+#else
+#define KV(D) D
+#endif
 #define MII_DECODE_G(SUFFIX, D, G)                                                                             \
   extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_##G) paged_attention_decode_g##G##_##SUFFIX( \
-      const D::T* q, const D::T* k_cache, const D::T* v_cache, const long long* block_tables,                \
+      const D::T* q, const KV(D)::T* k_cache, const KV(D)::T* v_cache, const long long* block_tables,        \
       const long long* context_lens, D::T* out, float* part_out, float* part_max, float* part_sum,           \
       int* counters, int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,        \
       int partition, float scale, int window, float softcap) {                                                 \
-    decode_partition<D, G>(q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_max,         \
+    decode_partition<D, KV(D), G>(q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_max,         \
                            part_sum, counters, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks,   \
                            partition, scale, window, softcap);                                                 \
   }

@@ -6,23 +6,36 @@
 // rounded as norms.cu does a row of D (one warp, eight consecutive elements a lane), so that it equals the norm
 // kernel followed by rotary_write_kv bit for bit; it takes D = 16 · 2^n up to 256, where each element's rotary
 // partner (i ± D/2) sits in the lane D/16 away.
+// Compiled with MII_KV_FP8 the cache is e4m3 (kv_cache_dtype="fp8"): each rotated key and each value is rounded
+// to the model dtype first and then to e4m3, as the reference's rotary in the model dtype and its cache store do.
 #include "common.cuh"
+#include "fp8.cuh"
 
-template <typename D>
-__device__ __forceinline__ void rotate(const typename D::T* src, typename D::T* dst, const float* cs, int half,
+#ifdef MII_KV_FP8
+#define KV(D) E4M3
+#else
+#define KV(D) D
+#endif
+
+// f (a value of the op in the model dtype D) as the element of a tensor of type O: rounded to D, then to O.
+template <typename D, typename O>
+__device__ __forceinline__ typename O::T store_as(float f) { return Cvt<O>::store(round_to<D>(f)); }
+
+template <typename D, typename O>
+__device__ __forceinline__ void rotate(const typename D::T* src, typename O::T* dst, const float* cs, int half,
                                        int i) {
   // Element pair (i, i + half) of one head, rounded as the reference rounds: cos and sin cast to the dtype,
   // each product rounded, then their sum.
   float c = round_to<D>(cs[i]), s = round_to<D>(cs[half + i]);
   float x1 = Cvt<D>::load(src[i]), x2 = Cvt<D>::load(src[i + half]);
-  dst[i] = Cvt<D>::store(round_to<D>(x1 * c) + round_to<D>(-x2 * s));
-  dst[i + half] = Cvt<D>::store(round_to<D>(x2 * c) + round_to<D>(x1 * s));
+  dst[i] = store_as<D, O>(round_to<D>(x1 * c) + round_to<D>(-x2 * s));
+  dst[i + half] = store_as<D, O>(round_to<D>(x2 * c) + round_to<D>(x1 * s));
 }
 
 #define MII_ROTARY_KV(SUFFIX, D)                                                                               \
   extern "C" __global__ void rotary_write_kv_##SUFFIX(                                                         \
       const long long* positions, const D::T* q, const D::T* k, const D::T* v, const float* cos_sin,         \
-      D::T* q_out, D::T* k_cache, D::T* v_cache, const long long* slot_mapping, int num_q_heads,             \
+      D::T* q_out, KV(D)::T* k_cache, KV(D)::T* v_cache, const long long* slot_mapping, int num_q_heads,     \
       int num_kv_heads, int head_dim, long long q_stride, long long k_stride, long long v_stride) {           \
     long long t = blockIdx.x;                                                                                  \
     int half = head_dim / 2;                                                                                   \
@@ -33,20 +46,20 @@ __device__ __forceinline__ void rotate(const typename D::T* src, typename D::T* 
     long long kv_row = slot * num_kv_heads * head_dim;                                                         \
     for (int j = threadIdx.x; j < num_q_heads * half; j += blockDim.x) {                                       \
       int h = j / half, i = j % half;                                                                          \
-      rotate<D>(q + t * q_stride + h * head_dim, q_out + (t * num_q_heads + h) * head_dim, cs, half, i);      \
+      rotate<D, D>(q + t * q_stride + h * head_dim, q_out + (t * num_q_heads + h) * head_dim, cs, half, i);   \
     }                                                                                                          \
     for (int j = threadIdx.x; j < num_kv_heads * half; j += blockDim.x) {                                      \
       int h = j / half, i = j % half;                                                                          \
-      rotate<D>(k + t * k_stride + h * head_dim, k_cache + kv_row + h * head_dim, cs, half, i);               \
+      rotate<D, KV(D)>(k + t * k_stride + h * head_dim, k_cache + kv_row + h * head_dim, cs, half, i);        \
     }                                                                                                          \
     for (int j = threadIdx.x; j < num_kv_heads * head_dim; j += blockDim.x)                                    \
-      v_cache[kv_row + j] = v[t * v_stride + j];                                                               \
+      v_cache[kv_row + j] = store_as<D, KV(D)>(Cvt<D>::load(v[t * v_stride + j]));                            \
   }
 MII_FOR_DTYPES(MII_ROTARY_KV)
 
-template <typename D>
+template <typename D, typename O>
 __device__ __forceinline__ void norm_rotate_head(const typename D::T* __restrict__ src,
-                                                 typename D::T* __restrict__ dst, const typename D::T* __restrict__ w,
+                                                 typename O::T* __restrict__ dst, const typename D::T* __restrict__ w,
                                                  const float* cs, int head_dim, float eps, int lane) {
   const int per = head_dim / 8, half = head_dim / 2;
   float v[8], ss = 0.f;
@@ -66,10 +79,10 @@ __device__ __forceinline__ void norm_rotate_head(const typename D::T* __restrict
     if (lane >= per) continue;
     if (e < half) {
       const float c = round_to<D>(cs[e]), s = round_to<D>(cs[half + e]);
-      dst[e] = Cvt<D>::store(round_to<D>(v[j] * c) + round_to<D>(-partner * s));
+      dst[e] = store_as<D, O>(round_to<D>(v[j] * c) + round_to<D>(-partner * s));
     } else {
       const float c = round_to<D>(cs[e - half]), s = round_to<D>(cs[e]);
-      dst[e] = Cvt<D>::store(round_to<D>(v[j] * c) + round_to<D>(partner * s));
+      dst[e] = store_as<D, O>(round_to<D>(v[j] * c) + round_to<D>(partner * s));
     }
   }
 }
@@ -77,7 +90,7 @@ __device__ __forceinline__ void norm_rotate_head(const typename D::T* __restrict
 #define MII_ROTARY_NORM_KV(SUFFIX, D)                                                                          \
   extern "C" __global__ void rotary_norm_write_kv_##SUFFIX(                                                    \
       const long long* positions, const D::T* q, const D::T* k, const D::T* v, const float* cos_sin,         \
-      D::T* q_out, D::T* k_cache, D::T* v_cache, const long long* slot_mapping, int num_q_heads,             \
+      D::T* q_out, KV(D)::T* k_cache, KV(D)::T* v_cache, const long long* slot_mapping, int num_q_heads,     \
       int num_kv_heads, int head_dim, long long q_stride, long long k_stride, long long v_stride,             \
       const D::T* q_norm, const D::T* k_norm, float eps) {                                                     \
     long long t = blockIdx.x;                                                                                  \
@@ -89,13 +102,13 @@ __device__ __forceinline__ void norm_rotate_head(const typename D::T* __restrict
     long long kv_row = slot * num_kv_heads * head_dim;                                                         \
     for (int h = threadIdx.x >> 5; h < num_q_heads + num_kv_heads; h += warps) {                               \
       if (h < num_q_heads)                                                                                     \
-        norm_rotate_head<D>(q + t * q_stride + h * head_dim, q_out + (t * num_q_heads + h) * head_dim,         \
+        norm_rotate_head<D, D>(q + t * q_stride + h * head_dim, q_out + (t * num_q_heads + h) * head_dim,      \
                             q_norm, cs, head_dim, eps, lane);                                                  \
       else                                                                                                     \
-        norm_rotate_head<D>(k + t * k_stride + (h - num_q_heads) * head_dim,                                   \
+        norm_rotate_head<D, KV(D)>(k + t * k_stride + (h - num_q_heads) * head_dim,                            \
                             k_cache + kv_row + (h - num_q_heads) * head_dim, k_norm, cs, head_dim, eps, lane); \
     }                                                                                                          \
     for (int j = threadIdx.x; j < num_kv_heads * head_dim; j += blockDim.x)                                    \
-      v_cache[kv_row + j] = v[t * v_stride + j];                                                               \
+      v_cache[kv_row + j] = store_as<D, KV(D)>(Cvt<D>::load(v[t * v_stride + j]));                            \
   }
 MII_FOR_DTYPES(MII_ROTARY_NORM_KV)

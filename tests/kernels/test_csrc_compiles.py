@@ -22,9 +22,14 @@ def _nvcc() -> str | None:
     return None
 
 
-# The decode kernels are also built with their grid's other order (kernels/decode_attention.py, grid="sequences").
-VARIANTS = [(s, ()) for s in SOURCES] + [(s, ("MII_SEQ_MAJOR_GRID",)) for s in SOURCES
-                                         if s.stem.startswith("paged_attention_")]
+# The decode kernels are also built with their grid's other order (kernels/decode_attention.py, grid="sequences"),
+# and those that read or write an FP8 KV cache with MII_KV_FP8 (in both orders).
+FP8_KV = ("rotary_kv", "paged_attention_decode", "paged_attention_mma")
+VARIANTS = ([(s, ()) for s in SOURCES]
+            + [(s, ("MII_SEQ_MAJOR_GRID",)) for s in SOURCES if s.stem.startswith("paged_attention_")]
+            + [(s, ("MII_KV_FP8",)) for s in SOURCES if s.stem in FP8_KV]
+            + [(s, ("MII_KV_FP8", "MII_SEQ_MAJOR_GRID")) for s in SOURCES
+               if s.stem in FP8_KV and s.stem.startswith("paged_attention_")])
 
 
 @pytest.mark.parametrize("source,defines", VARIANTS,

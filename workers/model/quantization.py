@@ -11,8 +11,8 @@ Two checkpoint formats are loaded, both FP8 e4m3 weights [N, K] beside fp32 scal
   `<linear>.weight_scale_inv` [ceil(N/128), ceil(K/128)], dynamic activations.
 Which linears are FP8 is read from the tensors themselves (an ignored module is stored in the model dtype).
 A compressed-tensors `kv_cache_scheme` (K/V scales per layer, for an FP8 KV cache) loads with the KV cache in the
-model dtype, where the scales are not needed; an FP8 KV cache does not apply them yet, so `kv_cache_dtype="fp8"`
-is refused for such a checkpoint (engine_build.py). Anything else under `quantization_config` (GPTQ, AWQ,
+model dtype, where the scales are not needed, or, with `kv_cache_dtype="fp8"`, with the scales folded into each
+layer's attention weights (kv_scales.py). Anything else under `quantization_config` (GPTQ, AWQ,
 bitsandbytes, integer formats) is refused naming the field: its weights would otherwise load without their
 scales and answer wrong tokens.
 
@@ -44,6 +44,8 @@ class WeightQuant:
                                         # it rather than per token
     kv_scales: bool = False         # the checkpoint holds calibrated K/V scales (`kv_cache_scheme`), for an FP8
                                     # KV cache; with the cache in the model dtype they are not needed
+    fold_kv_scales: bool = False    # the KV cache is e4m3: the K/V scales fold into each layer's attention
+                                    # weights as it loads (kv_scales.py)
 
     @property
     def at_load(self) -> bool:

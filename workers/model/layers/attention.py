@@ -15,7 +15,8 @@ both, and q·k is unchanged, since q and k take the same order.
 Under tensor parallelism QKV is column-parallel (this rank's query heads and their KV heads) and o_proj
 row-parallel, all-reduced; the KV cache holds this rank's KV heads only. Under FP8 weights QKV and o_proj are
 FP8Weights (their scales' rows taken and reordered with the weights' rows), which the op set takes as it takes
-a dense weight.
+a dense weight. With an FP8 KV cache, a checkpoint's calibrated K/V scales fold into these weights
+(kv_scales.py).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import torch
 
 from mii_async.kernels.metadata import AttentionMetadata
 
+from ..kv_scales import fold_kv_scales, read_kv_scales
 from ..quantized_loading import LinearWeight, map_rows
 from ..parallel import TPGroup
 from ..spec import ModelSpec
@@ -88,9 +90,12 @@ class Attention:
             k_norm = RMSNorm(k_norm.weight[order.to(w.device)], k_norm.eps) if k_norm is not None else None
         o_bias = prefix + "o_proj.bias"
         has_o_bias = o_bias in w and (shard is None or shard.rank == 0)
-        return cls(norm, qkv, qkv_bias, w.linear_columns(prefix + "o_proj.weight", q, d),
-                   w.get(o_bias) if has_o_bias else None, cos_sin, nq, nkv, d, spec.softmax_scale, tp,
-                   q_norm=q_norm, k_norm=k_norm, window=window, softcap=spec.attn_logit_softcap)
+        att = cls(norm, qkv, qkv_bias, w.linear_columns(prefix + "o_proj.weight", q, d),
+                  w.get(o_bias) if has_o_bias else None, cos_sin, nq, nkv, d, spec.softmax_scale, tp,
+                  q_norm=q_norm, k_norm=k_norm, window=window, softcap=spec.attn_logit_softcap)
+        if w.quant is not None and w.quant.fold_kv_scales:       # an e4m3 cache with the checkpoint's K/V scales
+            att = fold_kv_scales(att, *read_kv_scales(w, prefix))
+        return att
 
     def project(self, ops: OpSet, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 slot_mapping: torch.Tensor, k_cache: torch.Tensor,
