@@ -6,7 +6,7 @@ single-GPU figures of docs/benchmarks.md and docs/models.md).
         qwen3-30b-a3b] [--only parity,bs1,offline,mixed,profile,long,long1,longparity] [--json results.json] [--hf-batches 64,256]
         [--mixed-budgets 1024,1536,2048] [--step-token-multiples 0,64,128] [--mma-warps 2,4]
         [--mixed-num-seqs 256,320] [--piecewise 1,0] [--decode-grids kv_heads,sequences] [--repeat 2]
-        [--gpu-memory-utilization 0.6] [--quantization fp8]
+        [--gpu-memory-utilization 0.6] [--quantization fp8] [--kv-cache-dtype fp8]
 
 parity   last-position prefill logits (4 prompts) and one decode step against transformers' forward in fp32
          (bf16 for a mixture of experts, whose fp32 copy would not fit), beside transformers' own bf16 against it;
@@ -27,7 +27,8 @@ and our engine loads them from there (both copies of a 30B model would not fit a
 
 --quantization fp8 quantizes the same bf16 weights at load (docs/quantization.md); transformers' baselines stay
 bf16, the parity check adds transformers in fp32 over the FP8-rounded projections, and the batch-1 floor is
-then the bytes our model holds (FP8 projections, bf16 embedding row and LM head).
+then the bytes our model holds (FP8 projections, bf16 embedding row and LM head). --kv-cache-dtype fp8 keeps K/V in
+e4m3 (the pool holds twice the tokens); the parity part then measures the cache's rounding as well.
 
 Floors (benchmarks/model_shapes.py): the bytes a batch-1 step reads (each weight a token multiplies, once) /
 copy bandwidth; FLOPs (two per such weight a token) / bf16 matmul rate; both rates measured on the card at hand
@@ -205,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="offline: transformers generate's batch sizes, each run once (its best is the baseline)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--quantization", default=None, help="fp8: the engine's projections in FP8, quantized at load")
+    ap.add_argument("--kv-cache-dtype", default=None, help="fp8: K/V cached in e4m3")
     ap.add_argument("--kernels", default="auto", help="auto (the CuPy kernels) or reference (torch ops)")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="the scheduler's (default: the GPU default)")
     ap.add_argument("--max-batch-tokens", type=int, default=None, help="the token budget (default: the GPU default)")
@@ -261,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"this card: copy {card['copy_tb_s']:.2f} TB/s, bf16 matmul {card['matmul_tflop_s']:.0f} TFLOP/s", flush=True)
     if a.quantization:
         sched["quantization"] = a.quantization
+    if a.kv_cache_dtype:
+        sched["kv_cache_dtype"] = a.kv_cache_dtype
     shape = SHAPES[a.shape]
     release = shape.moe or a.release_hf
     if release and "longparity" in parts:
@@ -290,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                      "shape": a.shape, **card, "gpu_memory_utilization": a.gpu_memory_utilization,
                      "weights_gb": weights_gb, "kernels": engine.kernels,
-                     "quantization": a.quantization,
+                     "quantization": a.quantization, "kv_cache_dtype": a.kv_cache_dtype or "auto",
                      "graphs": bool(engine.runner.graphs), "num_blocks": engine.num_blocks,
                      "max_batch_tokens": engine.config.scheduler.max_batch_tokens,
                      "max_num_seqs": engine.config.scheduler.max_num_seqs,
