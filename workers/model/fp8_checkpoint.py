@@ -8,12 +8,16 @@ with their scales, every other tensor as given, and config.json with the quantiz
   "tensor"   compressed-tensors, one scale a weight, with `static_activations` a static input scale a linear
   "block"    transformers' fp8: [128, 128] blocks (`weight_scale_inv`), dynamic activations
 Tensors may be written in several calls (`append`), a layer at a time, so that a large model is never whole
-in memory; `finish` writes the index and config.json.
+in memory; `finish` writes the index and config.json. A shard that would leave less than `keep_free` bytes on
+the checkpoint's filesystem goes to `spill` instead (another filesystem: a RAM disk), linked from the checkpoint's
+directory, so that a model larger than one disk is still one directory to load.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +73,10 @@ def quantize_tensors(tensors: dict[str, torch.Tensor], scheme: str,
 class FP8CheckpointWriter:
     """Writes model-0000i.safetensors files one `append` at a time, then the index and config.json."""
 
-    def __init__(self, out: Path, config: dict[str, Any], scheme: str, static_activations: bool = False) -> None:
+    def __init__(self, out: Path, config: dict[str, Any], scheme: str, static_activations: bool = False,
+                 spill: Path | None = None, keep_free: int = 4 << 30) -> None:
         self.out, self.scheme, self.static = Path(out), scheme, static_activations
+        self.spill, self.keep_free = (Path(spill) if spill is not None else None), keep_free
         self.config = {**config, "quantization_config": quantization_config(scheme, static_activations)}
         self.out.mkdir(parents=True, exist_ok=True)
         self.weight_map: dict[str, str] = {}
@@ -81,9 +87,15 @@ class FP8CheckpointWriter:
 
         q = {k: v.contiguous().cpu() for k, v in quantize_tensors(tensors, self.scheme, self.static).items()}
         name = f"model-{len(set(self.weight_map.values())) + 1:05d}.safetensors"
-        save_file(q, str(self.out / name), metadata={"format": "pt"})
+        nbytes = sum(t.numel() * t.element_size() for t in q.values())
+        if self.spill is not None and shutil.disk_usage(self.out).free - nbytes < self.keep_free:
+            self.spill.mkdir(parents=True, exist_ok=True)
+            save_file(q, str(self.spill / name), metadata={"format": "pt"})
+            os.symlink(self.spill / name, self.out / name)
+        else:
+            save_file(q, str(self.out / name), metadata={"format": "pt"})
         self.weight_map.update({k: name for k in q})
-        self.size += sum(t.numel() * t.element_size() for t in q.values())
+        self.size += nbytes
 
     def finish(self) -> Path:
         (self.out / "model.safetensors.index.json").write_text(json.dumps(

@@ -266,3 +266,25 @@ def test_default_model_quantized_at_load_answers_paris(default_model_dir):
     with mii_async.pipeline(str(default_model_dir), quantization="fp8", device="cpu") as pipe:
         r = pipe.chat([{"role": "user", "content": "What is the capital of France?"}], max_new_tokens=32)
     assert r.generated_text == "The capital of France is Paris."
+
+
+def test_shards_spilled_to_another_directory_load_as_one_checkpoint(tmp_path):
+    """A writer told to keep more free than the disk has puts its shards in the spill directory, linked from the
+    checkpoint's; the checkpoint loads and answers exactly as one written in place."""
+    from mii_async.workers.model.fp8_checkpoint import FP8CheckpointWriter
+
+    src = tiny_llama(tmp_path / "float")
+    config = json.loads((src / "config.json").read_text())
+    tensors = float_tensors(src)
+    written = []
+    for out, spill in ((tmp_path / "in_place", None), (tmp_path / "linked", tmp_path / "spill")):
+        writer = FP8CheckpointWriter(out, config, "channel", spill=spill, keep_free=1 << 62)
+        layer0 = {k: v for k, v in tensors.items() if ".layers.0." in k}
+        writer.append(layer0)
+        writer.append({k: v for k, v in tensors.items() if k not in layer0})
+        written.append(writer.finish())
+    shards = sorted(written[1].glob("*.safetensors"))
+    assert len(shards) == 2 and all(s.is_symlink() and s.resolve().parent == tmp_path / "spill" for s in shards)
+    assert not any(s.is_symlink() for s in written[0].glob("*.safetensors"))
+    a, b = (last_logits(make_engine(p, **OPTIONS), PROMPTS[0]) for p in written)
+    assert torch.equal(a, b)
