@@ -6,7 +6,9 @@ The parity references are transformers' forward in fp32 (in bf16 where an fp32 c
 model), and transformers' own bf16 beside it: random multi-layer models amplify rounding (near-flat logits make
 greedy choices fragile), so bf16's own distance from fp32 is the yardstick. With FP8 projections, also the fp32
 forward with each projection's weight replaced by its FP8 rounding (per output channel, as the engine quantizes
-at load; activations exact): the error the weights' rounding alone brings.
+at load; activations exact): the error the weights' rounding alone brings; and that forward with each
+projection's input also rounded as the engine quantizes it (e4m3, a scale per token): the FP8 model itself in
+fp32, against which our FP8 kernels' own error shows.
 """
 from __future__ import annotations
 
@@ -55,6 +57,21 @@ def fp8_rounded_(model: Any) -> None:
             mod.weight.data.copy_(q.dequantize(torch.float32).to(mod.weight.dtype))
 
 
+def fp8_inputs_(model: Any) -> None:
+    """Each decoder projection's input rounded as the engine's FP8 GEMMs quantize it: e4m3 with a scale per
+    token (kernels/fp8_weight.py's quantize_activations), dequantized."""
+    from mii_async.kernels.fp8_weight import quantize_activations
+
+    def hook(_mod: Any, args: tuple) -> tuple:
+        x = args[0]
+        q, scale = quantize_activations(x.reshape(-1, x.shape[-1]))
+        return ((q.float() * scale[:, None]).view(x.shape).to(x.dtype), *args[1:])
+
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and ".layers." in f".{name}" and "lm_head" not in name:
+            mod.register_forward_pre_hook(hook)
+
+
 def parity_references(hf: Any, fp32: bool = True, fp8_weights: bool = False) -> dict:
     """References from transformers' bf16 model and, where `fp32`, an fp32 copy of it (and with `fp8_weights`
     that copy over FP8-rounded projections): see the module's docstring."""
@@ -67,6 +84,8 @@ def parity_references(hf: Any, fp32: bool = True, fp8_weights: bool = False) -> 
         if fp8_weights:
             fp8_rounded_(hf32)
             refs["fp32_fp8_weights"] = _references(hf32, ps, greedy_ids, refs["fp32"]["next"])
+            fp8_inputs_(hf32)
+            refs["fp32_fp8"] = _references(hf32, ps, greedy_ids, refs["fp32"]["next"])
         del hf32
         torch.cuda.empty_cache()
     refs["bf16"] = _references(hf, ps, greedy_ids, refs["fp32"]["next"] if fp32 else None)
