@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import shutil
-import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .served_load import bs1_ms_per_step, offline, prompts
 
 LLAMA3_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                   num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
@@ -79,11 +79,6 @@ def step_bytes(shape: dict[str, Any]) -> int:
     return layers * per_layer + 2 * v * h + 2 * h + 2 * h
 
 
-def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
-
-
 def serve_and_measure(model: Path, a: argparse.Namespace, vocab: int) -> dict[str, Any]:
     import mii_async
 
@@ -94,25 +89,9 @@ def serve_and_measure(model: Path, a: argparse.Namespace, vocab: int) -> dict[st
     try:
         client(prompts(1, 16, vocab, 0), max_new_tokens=4, ignore_eos=True)       # warm-up
         if "bs1" in a.only:
-            p = prompts(1, 128, vocab, 3)[0]
-
-            async def one() -> list[float]:
-                times = []
-                async for _ in client.stream(p, max_new_tokens=a.bs1_tokens + 1, min_new_tokens=a.bs1_tokens + 1):
-                    times.append(time.perf_counter())
-                return times
-
-            client.run(one())
-            t = client.run(one())
-            out["bs1_ms_per_step"] = 1e3 * statistics.median(y - x for x, y in zip(t[1:], t[2:]))
+            out["bs1_ms_per_step"] = bs1_ms_per_step(client, vocab, a.bs1_tokens)
         if "offline" in a.only:
-            ps = prompts(a.requests, 128, vocab, 4)
-            t0 = time.perf_counter()
-            res = client(ps, max_new_tokens=128, min_new_tokens=128)
-            secs = time.perf_counter() - t0
-            toks = sum(len(r.token_ids) for r in res)
-            assert toks == 128 * len(ps), f"{toks} tokens streamed, {128 * len(ps)} asked"
-            out["offline_output_tok_s"], out["offline_seconds"] = toks / secs, secs
+            out.update(offline(client, vocab, a.requests))
         out["stats"] = client.run(client.stats())
     finally:
         client.terminate_server_sync(drain_s=0)

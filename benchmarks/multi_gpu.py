@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import shutil
 import statistics
 import tempfile
@@ -26,6 +25,8 @@ from typing import Any
 import mii_async
 
 from mii_async.bench.word_tokenizer import save_word_tokenizer
+
+from .served_load import bs1_ms_per_step, offline, prompts
 
 
 def build_model(shape: str, out: str) -> str:
@@ -52,11 +53,6 @@ def build_model(shape: str, out: str) -> str:
     return out
 
 
-def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
-
-
 def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -76,25 +72,9 @@ def run_deployment(model: str, tp: int, replicas: int, a: argparse.Namespace, vo
             out["greedy"] = [r.token_ids for r in res]
             out["logprobs"] = [[lp.logprob for lp in (r.logprobs or [])] for r in res]
         if "bs1" in parts:
-            p = prompts(1, 128, vocab, 3)[0]
-
-            async def one() -> list[float]:
-                times = []
-                async for _ in client.stream(p, max_new_tokens=a.bs1_tokens + 1, min_new_tokens=a.bs1_tokens + 1):
-                    times.append(time.perf_counter())
-                return times
-
-            client.run(one())                                                   # warm-up
-            t = client.run(one())
-            out["bs1_ms_per_step"] = 1e3 * statistics.median(y - x for x, y in zip(t[1:], t[2:]))
+            out["bs1_ms_per_step"] = bs1_ms_per_step(client, vocab, a.bs1_tokens)
         if "offline" in parts:
-            ps = prompts(a.requests, 128, vocab, 4)
-            t0 = time.perf_counter()
-            res = client(ps, max_new_tokens=128, min_new_tokens=128)
-            secs = time.perf_counter() - t0
-            toks = sum(len(r.token_ids) for r in res)
-            assert toks == 128 * len(ps), f"{toks} tokens streamed, {128 * len(ps)} asked"
-            out["offline_output_tok_s"], out["offline_seconds"] = toks / secs, secs
+            out.update(offline(client, vocab, a.requests))
         out["stats"] = client.run(client.stats())
     finally:
         client.terminate_server_sync(drain_s=0)

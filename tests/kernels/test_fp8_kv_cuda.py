@@ -4,8 +4,6 @@ the reference does over the same bytes widened, in both grid orders, with window
 graph; the default model with an FP8 cache still answers the capital question."""
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -21,6 +19,7 @@ from mii_async.kernels import reference as R  # noqa: E402
 from mii_async.kernels.config import KernelConfig  # noqa: E402
 from mii_async.kernels.kv_store import FP8_KV  # noqa: E402
 
+from .test_cuda_kernels import DECODE_CASES as CUDA_DECODE_CASES  # noqa: E402
 from .test_cuda_kernels import _meta, _paged, poison, rel  # noqa: E402
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
@@ -68,17 +67,10 @@ def test_rotary_write_kv_writes_the_model_dtype_values_rounded_to_e4m3(dtype, no
         assert (got[~written] == 0x5a).all()
 
 
-DECODE_CASES = [  # (context lengths, Hq, Hkv, D, block size)
-    ([1], 32, 8, 128, 16),
-    ([5, 17, 512, 513, 1024, 1025], 32, 8, 128, 16),
-    ([32768], 32, 8, 128, 16),
-    ([32768, 3, 20000], 9, 3, 64, 32),
-    ([random.Random(0).randrange(1, 4096) for _ in range(64)], 32, 8, 128, 16),
-    ([random.Random(1).randrange(1, 2048) for _ in range(160)], 32, 8, 128, 16),
-    ([300, 4000], 16, 1, 128, 16),
-    ([777, 9], 28, 4, 128, 32),
-    ([250, 60], 8, 2, 256, 16),
-    ([1, 15, 16, 17, 63, 64, 65, 200, 511, 777, 2049, 5000], 48, 4, 128, 16),     # G = 12
+# The 16-bit kernels' cases (contexts 1 … 32k, GQA 1 … 16, head dims 64 … 256, block sizes 16 and 32), and G = 12
+# across mma's tiles and rings.
+DECODE_CASES = CUDA_DECODE_CASES + [
+    ([1, 15, 16, 17, 63, 64, 65, 200, 511, 777, 2049, 5000], 48, 4, 128, 16),
 ]
 
 
