@@ -6,7 +6,7 @@ single-GPU figures of docs/benchmarks.md and docs/models.md).
         qwen3-30b-a3b] [--only parity,bs1,offline,mixed,profile,long,long1,longparity] [--json results.json] [--hf-batches 64,256]
         [--mixed-budgets 1024,1536,2048] [--step-token-multiples 0,64,128] [--mma-warps 2,4]
         [--mixed-num-seqs 256,320] [--piecewise 1,0] [--decode-grids kv_heads,sequences] [--repeat 2]
-        [--gpu-memory-utilization 0.6] [--quantization fp8] [--kv-cache-dtype fp8]
+        [--gpu-memory-utilization 0.6] [--quantization fp8] [--kv-cache-dtype fp8] [--profile-parts bs1]
 
 parity   last-position prefill logits (4 prompts) and one decode step against transformers' forward in fp32
          (bf16 for a mixture of experts, whose fp32 copy would not fit), beside transformers' own bf16 against it;
@@ -20,7 +20,7 @@ long     64 requests of 4,000–7,900 prompt tokens / 256 out, all at once: tota
 long1    one 32,000-token prompt: TTFT against its FLOP floor, decode at that context against decode at 128
 longparity  greedy tokens and last-position logits against transformers at 8k and 32k prompt tokens
 profile  where the GPU time of a step goes (GEMMs, attention, norms, sampling, …) for decode and mixed steps,
-         and, with graphs, a step's host parts beside its graph's GPU time
+         and, with graphs, a step's host parts beside its graph's GPU time (--profile-parts picks some)
 
 transformers' side runs first; for a mixture of experts (or with --release-hf) its weights then move to the host
 and our engine loads them from there (both copies of a 30B model would not fit an 80 GB card).
@@ -193,6 +193,31 @@ def offline(engine, n: int = 1024) -> dict:
     return {"ours_output_tok_s": toks / secs, "ours_seconds": secs, "requests": n}
 
 
+PROFILE_PARTS = ("bs1", "bs256", "mixed", "steady", "graphs")
+
+
+def profiles(engine, parts: list[str]) -> dict:
+    """The `profile` part's profiles named in `parts` (PROFILE_PARTS): eager steps by kernel category at batch 1
+    and 256, mixed steps (128 decodes and 1,024-token prompts; the mixed load's steady state, ~255 decodes over
+    ~700 tokens and a prompt a step), and graph replays' host and GPU time."""
+    out: dict = {}
+    max_seqs = engine.config.scheduler.max_num_seqs
+    if "bs1" in parts:
+        out["bs1"] = profile(engine, 1)
+    if "bs256" in parts and max_seqs >= 256:
+        out["bs256"] = profile(engine, 256)
+    if "mixed" in parts:
+        out["mixed_128_decodes_1024_prompts"] = profile(engine, 128, prompt_len=1024)
+    if "steady" in parts:
+        out["mixed_255_ctx704_one_prompt_448"] = profile(engine, 255, prompt_len=448, context=704, steady=True)
+    if "graphs" in parts:
+        out.update({f"graphs_bs{b}": graph_steps(engine, b) for b in (1, 64, 256, 512) if b <= max_seqs})
+        # the mixed load's pure-decode steps: ~200-256 decodes over ~700 tokens
+        out.update({f"graphs_bs{b}_ctx704": graph_steps(engine, b, prompt_len=704) for b in (192, 256)
+                    if b <= max_seqs})
+    return out
+
+
 def ints(arg: str | None) -> list[int]:
     return [int(x) for x in arg.split(",")] if arg else []
 
@@ -207,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--quantization", default=None, help="fp8: the engine's projections in FP8, quantized at load")
     ap.add_argument("--kv-cache-dtype", default=None, help="fp8: K/V cached in e4m3")
+    ap.add_argument("--profile-parts", default=",".join(PROFILE_PARTS),
+                    help=f"profile: which of {', '.join(PROFILE_PARTS)} (bs1 alone is the cheap one)")
     ap.add_argument("--kernels", default="auto", help="auto (the CuPy kernels) or reference (torch ops)")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="the scheduler's (default: the GPU default)")
     ap.add_argument("--max-batch-tokens", type=int, default=None, help="the token budget (default: the GPU default)")
@@ -246,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
                          "parity reference on the H200)")
     a = ap.parse_args(argv)
     parts = a.only.split(",")
+    if any(p not in PROFILE_PARTS for p in a.profile_parts.split(",")):
+        ap.error(f"--profile-parts: parts are {', '.join(PROFILE_PARTS)}, got {a.profile_parts}")
     sched = {k: v for k, v in (("max_num_seqs", a.max_num_seqs), ("max_batch_tokens", a.max_batch_tokens),
                                ("max_mixed_batch_tokens", a.max_mixed_batch_tokens),
                                ("step_token_multiple", a.step_token_multiple)) if v}
@@ -333,16 +362,7 @@ def main(argv: list[str] | None = None) -> int:
                                if (a.mixed_budgets or a.step_token_multiples or a.mixed_num_seqs or len(warps) > 1
                                    or a.piecewise or grids or a.repeat > 1)
                                else mixed(engine, early=not a.late_tokens)),
-             "profile": lambda: {"bs1": profile(engine, 1), "bs256": profile(engine, 256),
-                                 "mixed_128_decodes_1024_prompts": profile(engine, 128, prompt_len=1024),
-                                 # the mixed load's steady state: ~255 decodes over ~700 tokens, a prompt a step
-                                 "mixed_255_ctx704_one_prompt_448": profile(engine, 255, prompt_len=448, context=704,
-                                                                            steady=True),
-                                 **{f"graphs_bs{b}": graph_steps(engine, b) for b in (1, 64, 256, 512)
-                                    if b <= engine.config.scheduler.max_num_seqs},
-                                 # the mixed load's pure-decode steps: ~200-256 decodes over ~700 tokens
-                                 **{f"graphs_bs{b}_ctx704": graph_steps(engine, b, prompt_len=704) for b in (192, 256)
-                                    if b <= engine.config.scheduler.max_num_seqs}}}
+             "profile": lambda: profiles(engine, a.profile_parts.split(","))}
     for name in parts:
         t0 = time.perf_counter()
         results[name] = steps[name]()
