@@ -187,6 +187,7 @@ class DecoderModel(ABC):
                 and y.attn.qkv_bias is None and y.attn.o_bias is None and y.attn.q_norm is None
                 and y.attn.k_norm is None and y.attn.norm.eps == y.mlp.norm.eps == self.layers[0].attn.norm.eps
                 and y.mlp.act == self.layers[0].mlp.act and y.attn.softcap == self.layers[0].attn.softcap
+                and y.attn.scale == self.scale
                 for y in self.layers)
             layers = [FusedLayer(y.attn.norm.weight, y.mlp.norm.weight, y.attn.qkv, y.attn.o, y.mlp.gate_up,
                                  y.mlp.down, k, v, y.attn.cos_sin, y.attn.window)
