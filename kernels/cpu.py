@@ -209,9 +209,11 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
 
 
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                        weight, bias: torch.Tensor | None = None,
-                        out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """As reference.add_rms_norm_linear: the native norm (with the residual add), then torch's GEMM."""
+                        weight, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, *,
+                        pre_norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """As reference.add_rms_norm_linear: the native norms (the pre-norm, the residual add), then torch's GEMM."""
+    if pre_norm is not None:
+        x = rms_norm(x, pre_norm[0], pre_norm[1])
     normed, residual = ((rms_norm(x, norm_weight, eps), x) if residual is None
                         else fused_add_rms_norm(x, residual, norm_weight, eps))
     y = linear(normed, weight, bias)
@@ -225,8 +227,9 @@ def add_rms_norm_gate_up(x: torch.Tensor, residual: torch.Tensor | None, norm_we
 
 
 def add_rms_norm_gate_up_gelu(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                              eps: float, gate_up) -> tuple[torch.Tensor, torch.Tensor]:
-    y, residual = add_rms_norm_linear(x, residual, norm_weight, eps, gate_up)
+                              eps: float, gate_up, *,
+                              pre_norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    y, residual = add_rms_norm_linear(x, residual, norm_weight, eps, gate_up, pre_norm=pre_norm)
     return gelu_tanh_and_mul(y), residual
 
 

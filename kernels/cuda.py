@@ -124,7 +124,8 @@ def _gemv_ok(x: torch.Tensor, weight: torch.Tensor, k: int, *others: torch.Tenso
 
 def _gemv(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: KernelConfig,
           out_dtype: torch.dtype | None = None, residual: torch.Tensor | None = None,
-          norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+          norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+          pre_norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     m = x.shape[0]
     n, k = weight.shape
     outs = n // 2 if kind in ("norm_silu", "norm_gelu") else n      # [gate | up] rows → act(gate) * up
@@ -140,7 +141,8 @@ def _gemv(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
              np.int64(0 if residual is None else residual.stride(0)),
              null if norm_weight is None else _ptr(norm_weight),
              null if res_out is None else _ptr(res_out), _ptr(weight), null if bias is None else _ptr(bias), _ptr(y),
-             np.int64(outs), np.int32(f32), np.int32(n), np.int32(k), np.int32(per_warp), np.float32(eps)),
+             np.int64(outs), np.int32(f32), np.int32(n), np.int32(k), np.int32(per_warp), np.float32(eps),
+             null if pre_norm is None else _ptr(pre_norm[0]), np.float32(0.0 if pre_norm is None else pre_norm[1])),
             shared_mem=m * k * 2, pdl=config.pdl)
     return y, res_out
 
@@ -162,10 +164,15 @@ def _norm_gemv_ok(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
 
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                         weight: torch.Tensor | FP8Weight, bias: torch.Tensor | None = None,
-                        out_dtype: torch.dtype | None = None, *,
+                        out_dtype: torch.dtype | None = None, *, pre_norm: tuple[torch.Tensor, float] | None = None,
                         config: KernelConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
-    """As the reference. A few rows take one gemv.cu kernel: the norm is its prologue. An FP8 weight:
-    fp8_linear.py."""
+    """As the reference. A few rows take one gemv.cu kernel: the norm (and a `pre_norm` of x, with a residual)
+    is its prologue. An FP8 weight: fp8_linear.py."""
+    if pre_norm is not None:
+        if _pre_norm_gemv_ok(x, residual, pre_norm, weight) and out_dtype in (None, x.dtype, torch.float32) \
+                and _norm_gemv_ok(x, residual, norm_weight, weight, bias):
+            return _gemv("norm", x, weight, bias, config, out_dtype, residual, norm_weight, eps, pre_norm)
+        x = rms_norm(x, pre_norm[0], pre_norm[1], config=config)
     if isinstance(weight, FP8Weight):
         return fp8_linear.add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias, out_dtype,
                                               norm=functools.partial(_norm, norm_weight, eps, config), config=config)
@@ -196,6 +203,14 @@ def add_rms_norm_gate_up(x: torch.Tensor, residual: torch.Tensor | None, norm_we
     return silu_and_mul(y, config=config), residual
 
 
+def _pre_norm_gemv_ok(x: torch.Tensor, residual: torch.Tensor | None, pre_norm: tuple[torch.Tensor, float],
+                      weight: torch.Tensor | FP8Weight) -> bool:
+    """Whether gemv.cu can norm x itself first: a 16-bit weight, a residual to add it to (the kernel writes the
+    sum), and the pre-norm's weight in x's dtype, aligned."""
+    return (not isinstance(weight, FP8Weight) and residual is not None and pre_norm[0].dtype == x.dtype
+            and pre_norm[0].is_contiguous() and pre_norm[0].numel() == x.shape[1] and _aligned(pre_norm[0]))
+
+
 def _norm(norm_weight: torch.Tensor, eps: float, config: KernelConfig, x: torch.Tensor,
           residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(residual +) RMSNorm → (normed, the residual stream): the prologue of a projection, as its own kernel."""
@@ -211,15 +226,17 @@ def gelu_tanh_and_mul(x: torch.Tensor, *, config: KernelConfig = DEFAULT) -> tor
 
 
 def add_rms_norm_gate_up_gelu(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                              eps: float, gate_up: torch.Tensor, *,
+                              eps: float, gate_up: torch.Tensor, *, pre_norm: tuple[torch.Tensor, float] | None = None,
                               config: KernelConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
-    """As the reference. A few rows take one gemv.cu kernel: the norm is its prologue, GeGLU its epilogue. More:
-    the norm and the projection as add_rms_norm_linear takes them, then GeGLU."""
+    """As the reference. A few rows take one gemv.cu kernel: the norm (and a `pre_norm` of x, with a residual)
+    is its prologue, GeGLU its epilogue. More: the norm and the projection as add_rms_norm_linear takes them,
+    then GeGLU."""
     if isinstance(gate_up, torch.Tensor) and gate_up.shape[0] % 2 == 0 \
-            and _norm_gemv_ok(x, residual, norm_weight, gate_up):
-        y, res_out = _gemv("norm_gelu", x, gate_up, None, config, None, residual, norm_weight, eps)
+            and _norm_gemv_ok(x, residual, norm_weight, gate_up) \
+            and (pre_norm is None or _pre_norm_gemv_ok(x, residual, pre_norm, gate_up)):
+        y, res_out = _gemv("norm_gelu", x, gate_up, None, config, None, residual, norm_weight, eps, pre_norm)
         return y, x if res_out is None else res_out
-    y, residual = add_rms_norm_linear(x, residual, norm_weight, eps, gate_up, config=config)
+    y, residual = add_rms_norm_linear(x, residual, norm_weight, eps, gate_up, pre_norm=pre_norm, config=config)
     return gelu_tanh_and_mul(y, config=config), residual
 
 

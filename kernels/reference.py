@@ -58,9 +58,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor | FP8Weight | Int4Weight | Int8
 
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                         weight: torch.Tensor | FP8Weight, bias: torch.Tensor | None = None,
-                        out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        out_dtype: torch.dtype | None = None, *,
+                        pre_norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The projection after a norm: linear(fused_add_rms_norm(x, residual)) → (y [T, N], residual' [T, H]);
-    with residual None, linear(rms_norm(x)) and x is residual'. `out_dtype`: y cast to it."""
+    with residual None, linear(rms_norm(x)) and x is residual'. `out_dtype`: y cast to it. `pre_norm` (weight,
+    eps): x is first rms_norm(x, weight, eps) (the previous block's post-norm, Gemma's)."""
+    if pre_norm is not None:
+        x = rms_norm(x, pre_norm[0], pre_norm[1])
     if residual is None:
         normed, residual = rms_norm(x, norm_weight, eps), x
     else:
@@ -78,9 +82,11 @@ def add_rms_norm_gate_up(x: torch.Tensor, residual: torch.Tensor | None, norm_we
 
 
 def add_rms_norm_gate_up_gelu(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                              eps: float, gate_up: torch.Tensor | FP8Weight) -> tuple[torch.Tensor, torch.Tensor]:
-    """add_rms_norm_gate_up with GeGLU: (gelu_tanh(gate) * up [T, F], residual' [T, H])."""
-    y, residual = add_rms_norm_linear(x, residual, norm_weight, eps, gate_up)
+                              eps: float, gate_up: torch.Tensor | FP8Weight, *,
+                              pre_norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm_gate_up with GeGLU: (gelu_tanh(gate) * up [T, F], residual' [T, H]); `pre_norm` as
+    add_rms_norm_linear takes it."""
+    y, residual = add_rms_norm_linear(x, residual, norm_weight, eps, gate_up, pre_norm=pre_norm)
     return gelu_tanh_and_mul(y), residual
 
 

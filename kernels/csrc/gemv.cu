@@ -3,7 +3,8 @@
 // the same kernel, and an epilogue may finish the MLP's input, so that a decode layer's norms and SiLU are not
 // kernels of their own:
 //   PRO_NORM  xin = rms_norm(x + residual) (or of x alone), rounded as norms.cu rounds it; block 0 also writes
-//             the summed residual
+//             the summed residual. With `pre_w`, x is first normed itself (xin = rms_norm(rms_norm(x, pre_w) +
+//             residual)): Gemma's post-norm of the previous block, which so needs no kernel of its own
 //   EPI_SILU  W is [gate | up] (N = 2F rows) and y [M, F] = silu(gate) * up, rounded as activation.cu rounds
 //             it: a warp takes gate row j and up row F + j in turn
 //   EPI_GELU  the same with gelu_tanh(gate) * up (Gemma's GeGLU), rounded as torch rounds it
@@ -45,7 +46,8 @@ __device__ void gemv(const typename D::T* __restrict__ x, long long x_stride, co
                      long long res_stride, const typename D::T* __restrict__ norm_w,
                      typename D::T* __restrict__ res_out,
                      const typename D::T* __restrict__ w, const typename D::T* __restrict__ bias, void* __restrict__ y,
-                     long long y_stride, int out_f32, int n, int k, int rows_per_warp, float eps) {
+                     long long y_stride, int out_f32, int n, int k, int rows_per_warp, float eps,
+                     const typename D::T* __restrict__ pre_w, float pre_eps) {
   typedef typename D::T T;
   extern __shared__ uint4 xs[];                  // [M, kc] xin, 16-byte chunks
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, kc = k / 8;
@@ -63,6 +65,34 @@ __device__ void gemv(const typename D::T* __restrict__ x, long long x_stride, co
   // xin. The staging loops take STAGE chunks per thread per pass, loads first, so that they are in flight
   // together (a block's multiply waits on this).
   if (PRO == PRO_NORM) {
+    __shared__ float red[GEMV_WARPS][M];
+    // The pre-norm's scale of each row: a pass over x of its own (x is in L2 after the previous kernel).
+    float inv_pre[M];
+    if (pre_w != nullptr) {                      // block-uniform
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const uint4* xr = reinterpret_cast<const uint4*>(x + m * x_stride);
+        float ss = 0.f;
+        for (int c = threadIdx.x; c < kc; c += GEMV_THREADS) {
+          float v[8];
+          unpack8<D>(xr[c], v);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) ss += v[e] * v[e];
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) red[warp][m] = ss;
+      }
+      __syncthreads();
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        float total = 0.f;
+#pragma unroll
+        for (int i = 0; i < GEMV_WARPS; ++i) total += red[i][m];
+        inv_pre[m] = rsqrtf(total / k + pre_eps);
+      }
+      __syncthreads();                           // red is reused below
+    }
+    const uint4* pw = reinterpret_cast<const uint4*>(pre_w);
     float ss[M];
 #pragma unroll
     for (int m = 0; m < M; ++m) {
@@ -86,6 +116,13 @@ __device__ void gemv(const typename D::T* __restrict__ x, long long x_stride, co
           if (c >= kc) continue;
           float v[8];
           unpack8<D>(xv[j], v);
+          if (pre_w != nullptr) {                // x → rms_norm(x, pre_w), rounded as norms.cu rounds it
+            float g[8];
+            unpack8<D>(pw[c], g);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) v[e] = round_to<D>(g[e] * round_to<D>(v[e] * inv_pre[m]));
+            xv[j] = pack8<D>(v);
+          }
           if (res != nullptr) {
             float r[8];
             unpack8<D>(rv[j], r);
@@ -100,7 +137,6 @@ __device__ void gemv(const typename D::T* __restrict__ x, long long x_stride, co
         }
       }
     }
-    __shared__ float red[GEMV_WARPS][M];
 #pragma unroll
     for (int m = 0; m < M; ++m) {
       const float s = warp_sum(ss[m]);
@@ -193,9 +229,9 @@ __device__ void gemv(const typename D::T* __restrict__ x, long long x_stride, co
   extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 2) gemv_##NAME##_m##M##_##SUFFIX(               \
       const D::T* x, long long x_stride, const D::T* res, long long res_stride, const D::T* norm_w,          \
       D::T* res_out, const D::T* w, const D::T* bias, void* y, long long y_stride, int out_f32, int n, int k, \
-      int rows_per_warp, float eps) {                                                                          \
+      int rows_per_warp, float eps, const D::T* pre_w, float pre_eps) {                                        \
     gemv<D, M, PRO, EPI>(x, x_stride, res, res_stride, norm_w, res_out, w, bias, y, y_stride, out_f32, n, k,   \
-                         rows_per_warp, eps);                                                                  \
+                         rows_per_warp, eps, pre_w, pre_eps);                                                  \
   }
 #define MII_GEMV_M(SUFFIX, D, M)                                                                               \
   MII_GEMV_ONE(SUFFIX, D, M, PRO_NONE, EPI_NONE, plain)                                                        \

@@ -118,6 +118,40 @@ def test_add_rms_norm_gate_up(dtype, m, n, k, act_name):
             assert rel(act, same) < TOL[dtype] / 2
 
 
+@pytest.mark.parametrize("op", ["add_rms_norm_linear", "add_rms_norm_gate_up_gelu"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 3584), (2, 28672, 3584), (1, 6144, 4096), (3, 4096, 3584),
+                                   (1, 64, 2056)])
+def test_pre_norm_prologue(dtype, m, n, k, op):
+    """A pre-norm of x (Gemma's post-norm of the previous block) as the gemv's first prologue: the result and
+    the summed residual against the reference in fp32, and against the reference's own roundings in the dtype
+    (the pre-norm's, the residual add's, the norm's) with an fp32 projection; past GEMV_MAX_M rows, or without
+    a residual, the pre-norm runs as a kernel of its own first."""
+    x, w = data(m, 2 * n if op.endswith("gelu") else n, k, dtype)
+    x = (x.contiguous() * 30).to(dtype)                 # o_proj's output: far from unit scale before its norm
+    res = torch.randn(m, k, device="cuda").to(dtype) * 2
+    norm_w = (1 + 0.1 * torch.randn(k, device="cuda")).to(dtype)
+    pre = ((1 + 0.1 * torch.randn(k, device="cuda")).to(dtype), 1e-6)
+    fused = K._pre_norm_gemv_ok(x, res, pre, w) and uses_gemv(dtype, m, k)
+    assert fused == (dtype != torch.float32 and m <= K.GEMV_MAX_M and k % 8 == 0)
+    for r in (res, None):
+        poison()
+        y, new_res = getattr(K, op)(x, r, norm_w, 1e-5, w, pre_norm=pre)
+        f = lambda t: None if t is None else t.float()  # noqa: E731
+        ref_y, ref_res = getattr(R, op)(x.float(), f(r), norm_w.float(), 1e-5, w.float(),
+                                        pre_norm=(pre[0].float(), pre[1]))
+        in_dtype = getattr(R, op)(x, r, norm_w, 1e-5, w, pre_norm=pre)[0]
+        tol = max(bound(dtype, in_dtype, ref_y), 2 * TOL[dtype] if dtype == torch.float16 else 0)
+        assert rel(y, ref_y) < tol and rel(new_res, ref_res) < TOL[dtype], (r is None, rel(y, ref_y))
+        if fused and r is not None:
+            pre_x = R.rms_norm(x, *pre)
+            normed, same_res = R.fused_add_rms_norm(pre_x, r, norm_w, 1e-5)
+            same = R.linear(normed.float(), w.float()).to(dtype)
+            if op.endswith("gelu"):
+                same = R.gelu_tanh_and_mul(same)
+            assert rel(y, same) < TOL[dtype] / 2 and rel(new_res, same_res) < TOL[dtype] / 2
+
+
 @pytest.mark.parametrize("pdl", [True, False])
 def test_captured_by_a_cuda_graph_and_replayed_on_new_inputs(pdl):
     """A chain of dependent gemv kernels in a graph, captured with programmatic dependent launch (each one

@@ -52,19 +52,23 @@ class DecoderLayer:
     mlp: GatedMLP | MoE
     post_attn_norm: RMSNorm | None = None   # on o_proj's output (Gemma's post_attention_layernorm)
     post_mlp_norm: RMSNorm | None = None    # on down's output (Gemma's post_feedforward_layernorm)
+    # The previous layer's post_mlp_norm, which this layer applies to its input as its first norm's prologue
+    # (that layer then hands its output over un-normed: `defer_post_mlp_norm`).
+    input_post_norm: RMSNorm | None = None
+    defer_post_mlp_norm: bool = False
 
     def pre_attention(self, ops: OpSet, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                       slot_mapping: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.attn.project(ops, h, residual, positions, slot_mapping, k_cache, v_cache)
+        return self.attn.project(ops, h, residual, positions, slot_mapping, k_cache, v_cache,
+                                 pre_norm=self.input_post_norm)
 
     def post_attention(self, ops: OpSet, attn: torch.Tensor,
                        residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """o_proj, then the MLP; a post-norm on o_proj's output is the MLP's first norm's prologue."""
         h = self.attn.output(ops, attn)
-        if self.post_attn_norm is not None:
-            h = ops.rms_norm(h, self.post_attn_norm.weight, self.post_attn_norm.eps)
-        h, residual = self.mlp(ops, h, residual)
-        if self.post_mlp_norm is not None:
+        h, residual = self.mlp(ops, h, residual, pre_norm=self.post_attn_norm)
+        if self.post_mlp_norm is not None and not self.defer_post_mlp_norm:
             h = ops.rms_norm(h, self.post_mlp_norm.weight, self.post_mlp_norm.eps)
         return h, residual
 
@@ -134,6 +138,9 @@ class DecoderModel(ABC):
                    for i in range(spec.num_layers)]
         layers = [cls.load_layer(w, spec, i, local if sliding[i] else rope, tp)
                   for i in tqdm(range(spec.num_layers), desc="mii_async: loading layers", unit="layer", leave=False)]
+        for before, after in zip(layers, layers[1:]):       # a post-norm moves into the next layer's prologue
+            if before.post_mlp_norm is not None:
+                before.defer_post_mlp_norm, after.input_post_norm = True, before.post_mlp_norm
         for i, layer in enumerate(layers):
             if layer.attn.window != spec.window_of(i):
                 raise UnsupportedModelError(f"sliding_window {spec.sliding_window} is not supported by "

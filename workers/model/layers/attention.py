@@ -98,14 +98,16 @@ class Attention:
         return att
 
     def project(self, ops: OpSet, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                slot_mapping: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                pre_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, H] (residual None: the first layer's, which starts the residual stream) → the rotated
-        q [T, Hq, D], residual + h; this step's K/V written into the cache at `slot_mapping`."""
+        q [T, Hq, D], residual + h (h normed by `pre_norm` first: the previous layer's post-norm); this step's
+        K/V written into the cache at `slot_mapping`."""
         t = h.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        extra = {"pre_norm": (pre_norm.weight, pre_norm.eps)} if pre_norm is not None else {}
         qkv, residual = ops.add_rms_norm_linear(h, residual, self.norm.weight, self.norm.eps, self.qkv,
-                                                self.qkv_bias)                  # [T, (Hq + 2 Hkv) D]
+                                                self.qkv_bias, **extra)         # [T, (Hq + 2 Hkv) D]
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
         q, k = q.reshape(t, hq, d), k.reshape(t, hkv, d)
         qk_norm = None

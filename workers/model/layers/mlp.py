@@ -57,10 +57,18 @@ class GatedMLP:
             gate_up = w.linear([(prefix + "gate_proj.weight", ffn, 1), (prefix + "up_proj.weight", ffn, 1)])
         return cls(norm, gate_up, w.linear_columns(prefix + "down_proj.weight", ffn), tp, act)
 
-    def __call__(self, ops: OpSet, h: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [T, H] (the attention's output) → the MLP's output [T, H], residual + h."""
-        gate_up = ops.add_rms_norm_gate_up if self.act == "silu" else ops.add_rms_norm_gate_up_gelu
-        y, residual = gate_up(h, residual, self.norm.weight, self.norm.eps, self.gate_up)   # act(gate) * up [T, F]
+    def __call__(self, ops: OpSet, h: torch.Tensor, residual: torch.Tensor,
+                 pre_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [T, H] (the attention's output, normed by `pre_norm` first: a post-norm) → the MLP's output [T, H],
+        residual + h."""
+        if self.act == "silu":
+            if pre_norm is not None:
+                h = ops.rms_norm(h, pre_norm.weight, pre_norm.eps)
+            y, residual = ops.add_rms_norm_gate_up(h, residual, self.norm.weight, self.norm.eps, self.gate_up)
+        else:                           # GeGLU (Gemma): the post-norm is the GEMV's prologue
+            extra = {"pre_norm": (pre_norm.weight, pre_norm.eps)} if pre_norm is not None else {}
+            y, residual = ops.add_rms_norm_gate_up_gelu(h, residual, self.norm.weight, self.norm.eps, self.gate_up,
+                                                        **extra)                 # act(gate) * up [T, F]
         h = ops.linear(y, self.down)
         if self.tp is not None:
             self.tp.all_reduce(h)                                               # row-parallel down

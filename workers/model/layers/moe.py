@@ -71,8 +71,12 @@ class MoE:
             down[i] = w.columns(prefix + names.down.format(e=i), span)
         return cls(norm, router, gate_up, down, moe.top_k, moe.norm_topk_prob, tp)
 
-    def __call__(self, ops: OpSet, h: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [T, H] (the attention's output) → the experts' output [T, H], residual + h."""
+    def __call__(self, ops: OpSet, h: torch.Tensor, residual: torch.Tensor | None,
+                 pre_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [T, H] (the attention's output, normed by `pre_norm` first: a post-norm) → the experts' output
+        [T, H], residual + h."""
+        if pre_norm is not None:
+            h = ops.rms_norm(h, pre_norm.weight, pre_norm.eps)
         out, residual = ops.add_rms_norm_moe(h, residual, self.norm.weight, self.norm.eps, self.router, self.gate_up,
                                              self.down, self.top_k, self.renormalize)
         if self.tp is not None:
