@@ -193,13 +193,14 @@ def offline(engine, n: int = 1024) -> dict:
     return {"ours_output_tok_s": toks / secs, "ours_seconds": secs, "requests": n}
 
 
-PROFILE_PARTS = ("bs1", "bs256", "mixed", "steady", "graphs")
+PROFILE_PARTS = ("bs1", "bs256", "mixed", "steady", "graphs", "long", "longmixed")
 
 
 def profiles(engine, parts: list[str]) -> dict:
     """The `profile` part's profiles named in `parts` (PROFILE_PARTS): eager steps by kernel category at batch 1
     and 256, mixed steps (128 decodes and 1,024-token prompts; the mixed load's steady state, ~255 decodes over
-    ~700 tokens and a prompt a step), and graph replays' host and GPU time."""
+    ~700 tokens and a prompt a step), graph replays' host and GPU time, and long prompts: chunks of 7,900-token
+    prompts alone (contexts 0 to 7.9k) and beside 64 decodes at 4,000 tokens of context."""
     out: dict = {}
     max_seqs = engine.config.scheduler.max_num_seqs
     if "bs1" in parts:
@@ -210,6 +211,10 @@ def profiles(engine, parts: list[str]) -> dict:
         out["mixed_128_decodes_1024_prompts"] = profile(engine, 128, prompt_len=1024)
     if "steady" in parts:
         out["mixed_255_ctx704_one_prompt_448"] = profile(engine, 255, prompt_len=448, context=704, steady=True)
+    if "long" in parts:
+        out["long_prompts_7900"] = profile(engine, 0, prompt_len=7900)
+    if "longmixed" in parts and max_seqs >= 64:
+        out["long_64_ctx4000_prompts_7900"] = profile(engine, 64, prompt_len=7900, context=4000)
     if "graphs" in parts:
         out.update({f"graphs_bs{b}": graph_steps(engine, b) for b in (1, 64, 256, 512) if b <= max_seqs})
         # the mixed load's pure-decode steps: ~200-256 decodes over ~700 tokens

@@ -15,6 +15,7 @@ GRID_ORDERS = ("kv_heads", "sequences")
 ENV_DECODE_KERNEL = "MII_ASYNC_DECODE"
 ENV_DECODE_GRID = "MII_ASYNC_DECODE_GRID"
 ENV_PDL = "MII_ASYNC_PDL"
+ENV_GEMV_PREFETCH = "MII_ASYNC_GEMV_PREFETCH"
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class KernelConfig:
     # Programmatic dependent launch while a CUDA graph is captured on Hopper (kernels/pdl.py): each kernel of
     # a step may start while the one before it finishes.
     pdl: bool = True
+    # Bytes of its first weight rows (of each half, with a gated epilogue) that each block of a skinny GEMM
+    # (gemv.cu, gemv_fp8.cu) asks L2 for before it waits on the kernel ahead of it; 0: none.
+    gemv_prefetch: int = 64 << 10
 
     def __post_init__(self) -> None:
         if self.decode_kernel not in DECODE_KERNELS:
@@ -44,6 +48,9 @@ class KernelConfig:
             raise ValueError(f"mma_narrow_from must be None or an int >= 0, got {n!r}")
         if not isinstance(self.pdl, bool):
             raise ValueError(f"pdl must be true or false, got {self.pdl!r}")
+        p = self.gemv_prefetch
+        if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+            raise ValueError(f"gemv_prefetch must be an int >= 0 (bytes), got {p!r}")
 
     def mma_warps(self, pairs: int) -> int:
         """The mma kernel's block width, in warps, for a launch over `pairs` (sequence, KV head) pairs."""
@@ -52,15 +59,19 @@ class KernelConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> KernelConfig:
         """The config the environment names: $MII_ASYNC_DECODE (decode_kernel), $MII_ASYNC_DECODE_GRID
-        (decode_grid), $MII_ASYNC_PDL=0 (pdl off); the defaults for those unset. A bad value is refused naming
-        its variable."""
+        (decode_grid), $MII_ASYNC_PDL=0 (pdl off), $MII_ASYNC_GEMV_PREFETCH (gemv_prefetch, bytes); the
+        defaults for those unset. A bad value is refused naming its variable."""
         kernel = env.get(ENV_DECODE_KERNEL, cls.decode_kernel)
         if kernel not in DECODE_KERNELS:
             raise ValueError(f"{ENV_DECODE_KERNEL} must be one of {', '.join(DECODE_KERNELS)}, got {kernel!r}")
         grid = env.get(ENV_DECODE_GRID, cls.decode_grid)
         if grid not in GRID_ORDERS:
             raise ValueError(f"{ENV_DECODE_GRID} must be one of {', '.join(GRID_ORDERS)}, got {grid!r}")
-        return cls(decode_kernel=kernel, decode_grid=grid, pdl=env.get(ENV_PDL, "1") != "0")
+        prefetch = env.get(ENV_GEMV_PREFETCH, str(cls.gemv_prefetch))
+        if not prefetch.isdigit():
+            raise ValueError(f"{ENV_GEMV_PREFETCH} must be a number of bytes >= 0, got {prefetch!r}")
+        return cls(decode_kernel=kernel, decode_grid=grid, pdl=env.get(ENV_PDL, "1") != "0",
+                   gemv_prefetch=int(prefetch))
 
 
 DEFAULT = KernelConfig()

@@ -142,7 +142,8 @@ def _gemv(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
              null if norm_weight is None else _ptr(norm_weight),
              null if res_out is None else _ptr(res_out), _ptr(weight), null if bias is None else _ptr(bias), _ptr(y),
              np.int64(outs), np.int32(f32), np.int32(n), np.int32(k), np.int32(per_warp), np.float32(eps),
-             null if pre_norm is None else _ptr(pre_norm[0]), np.float32(0.0 if pre_norm is None else pre_norm[1])),
+             null if pre_norm is None else _ptr(pre_norm[0]), np.float32(0.0 if pre_norm is None else pre_norm[1]),
+             np.int64(config.gemv_prefetch)),
             shared_mem=m * k * 2, pdl=config.pdl)
     return y, res_out
 

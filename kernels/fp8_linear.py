@@ -89,7 +89,8 @@ def _gemv(kind: str, x: torch.Tensor, w: FP8Weight, bias: torch.Tensor | None, c
              np.int64(0 if residual is None else residual.stride(0)),
              null if norm_weight is None else _ptr(norm_weight), null if res_out is None else _ptr(res_out),
              _ptr(w.weight), _ptr(w.scale), null if bias is None else _ptr(bias), _ptr(y), np.int64(outs),
-             np.int32(f32), np.int32(n), np.int32(k), np.int32(per_warp), np.float32(eps)),
+             np.int32(f32), np.int32(n), np.int32(k), np.int32(per_warp), np.float32(eps),
+             np.int64(config.gemv_prefetch)),
             shared_mem=m * (k * 4 + FP8_GEMV_RED), defines=(f"FP8_M={m}", f"FP8_BLOCK={int(w.blocked)}"),
             pdl=config.pdl)
     return y, res_out

@@ -47,7 +47,7 @@ __device__ void gemv(const typename D::T* __restrict__ x, long long x_stride, co
                      typename D::T* __restrict__ res_out,
                      const typename D::T* __restrict__ w, const typename D::T* __restrict__ bias, void* __restrict__ y,
                      long long y_stride, int out_f32, int n, int k, int rows_per_warp, float eps,
-                     const typename D::T* __restrict__ pre_w, float pre_eps) {
+                     const typename D::T* __restrict__ pre_w, float pre_eps, long long prefetch) {
   typedef typename D::T T;
   extern __shared__ uint4 xs[];                  // [M, kc] xin, 16-byte chunks
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, kc = k / 8;
@@ -60,6 +60,8 @@ __device__ void gemv(const typename D::T* __restrict__ x, long long x_stride, co
   uint4 cur[GEMV_UNROLL];
   pdl_launch_dependents();
   load_group<EPI>(cur, w4, row0, 0, steps, groups, kc, outs, lane);   // weights only: the previous kernel may run
+  prefetch_block_rows<EPI>(w, (long long)blockIdx.x * GEMV_WARPS * rows_per_warp, (long long)GEMV_WARPS * rows_per_warp,
+                           outs, (long long)k * sizeof(T), prefetch, warp, lane);
   pdl_wait();
 
   // xin. The staging loops take STAGE chunks per thread per pass, loads first, so that they are in flight
@@ -229,9 +231,9 @@ __device__ void gemv(const typename D::T* __restrict__ x, long long x_stride, co
   extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 2) gemv_##NAME##_m##M##_##SUFFIX(               \
       const D::T* x, long long x_stride, const D::T* res, long long res_stride, const D::T* norm_w,          \
       D::T* res_out, const D::T* w, const D::T* bias, void* y, long long y_stride, int out_f32, int n, int k, \
-      int rows_per_warp, float eps, const D::T* pre_w, float pre_eps) {                                        \
+      int rows_per_warp, float eps, const D::T* pre_w, float pre_eps, long long prefetch) {                    \
     gemv<D, M, PRO, EPI>(x, x_stride, res, res_stride, norm_w, res_out, w, bias, y, y_stride, out_f32, n, k,   \
-                         rows_per_warp, eps, pre_w, pre_eps);                                                  \
+                         rows_per_warp, eps, pre_w, pre_eps, prefetch);                                        \
   }
 #define MII_GEMV_M(SUFFIX, D, M)                                                                               \
   MII_GEMV_ONE(SUFFIX, D, M, PRO_NONE, EPI_NONE, plain)                                                        \

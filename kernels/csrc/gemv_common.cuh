@@ -38,6 +38,36 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
   return r;
 }
 
+// Asks L2 for `bytes` (a multiple of 16) from p, the 32 lanes of a warp each a share, with Hopper's bulk
+// prefetch: a skinny GEMM issues it for its block's first rows of W before pdl_wait, so that the card's memory
+// stays busy through the previous kernel's tail instead of waiting for the block's first loads; the loads
+// then find the rows in L2. A no-op before sm_90.
+__device__ __forceinline__ void prefetch_l2(const void* p, long long bytes, int lane) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const long long piece = (bytes + 32 * 16 - 1) / (32 * 16) * 16;
+  const long long off = lane * piece;
+  if (off < bytes) {
+    const unsigned n = (unsigned)min(piece, bytes - off);
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(static_cast<const char*>(p) + off), "r"(n)
+                 : "memory");
+  }
+#endif
+}
+
+// A block's share of W for prefetch_l2: its output rows [r0, r0 + rows) of `row_bytes` each (and with a gated
+// epilogue the same rows of the up half, `half` rows on), at most `cap` bytes of each, from warp 0.
+template <int EPI>
+__device__ __forceinline__ void prefetch_block_rows(const void* w, long long r0, long long rows, long long outs,
+                                                    long long row_bytes, long long cap, int warp, int lane) {
+  if (warp != 0 || cap <= 0) return;
+  rows = min(rows, outs - r0);
+  if (rows <= 0) return;
+  const long long bytes = min(rows * row_bytes, cap / 16 * 16);
+  const char* base = static_cast<const char*>(w);
+  prefetch_l2(base + r0 * row_bytes, bytes, lane);
+  if (EPI != EPI_NONE) prefetch_l2(base + (outs + r0) * row_bytes, bytes, lane);
+}
+
 // The row of W that step s of a warp reads (groups steps per row): its (row0 + i)-th output row, or with a
 // gated epilogue (EPI_SILU, EPI_GELU) gate row row0 + i and up row half + row0 + i in turn.
 template <int EPI>

@@ -64,7 +64,7 @@ __device__ void gemv_fp8(const typename D::T* __restrict__ x, long long x_stride
                          typename D::T* __restrict__ res_out, const unsigned char* __restrict__ w,
                          const float* __restrict__ scale, const typename D::T* __restrict__ bias,
                          void* __restrict__ y, long long y_stride, int out_f32, int n, int k, int rows_per_warp,
-                         float eps) {
+                         float eps, long long prefetch) {
   typedef typename D::T T;
   constexpr int M = FP8_M;
   extern __shared__ float4 xs[];                 // [M][4][kc] xin in fp32, then the norm's sums [FP8_WARPS][M]
@@ -79,7 +79,9 @@ __device__ void gemv_fp8(const typename D::T* __restrict__ x, long long x_stride
   float csc[FP8_UNROLL];
   pdl_launch_dependents();
   load_group<EPI>(cur, csc, w4, scale, row0, 0, steps, groups, kc, n, outs, lane);   // weights only: the
-  pdl_wait();                                                                       // previous kernel may run
+  prefetch_block_rows<EPI>(w, (long long)blockIdx.x * FP8_WARPS * rows_per_warp,    // previous kernel may run
+                           (long long)FP8_WARPS * rows_per_warp, outs, k, prefetch, warp, lane);
+  pdl_wait();
 
   // xin: x's 16-byte chunks of 8 elements i (pieces 2(i%2) and 2(i%2)+1 of e4m3 chunk i/2), STAGE per thread
   // per pass, loads first. With the norm, the summed values first, then normed in place by the same thread.
@@ -230,9 +232,9 @@ __device__ void gemv_fp8(const typename D::T* __restrict__ x, long long x_stride
   extern "C" __global__ void __launch_bounds__(FP8_THREADS, 1) gemv_fp8_##NAME##_##SUFFIX(                    \
       const D::T* x, long long x_stride, const D::T* res, long long res_stride, const D::T* norm_w,          \
       D::T* res_out, const unsigned char* w, const float* scale, const D::T* bias, void* y, long long y_stride, \
-      int out_f32, int n, int k, int rows_per_warp, float eps) {                                              \
+      int out_f32, int n, int k, int rows_per_warp, float eps, long long prefetch) {                          \
     gemv_fp8<D, PRO, EPI>(x, x_stride, res, res_stride, norm_w, res_out, w, scale, bias, y, y_stride, out_f32,  \
-                          n, k, rows_per_warp, eps);                                                           \
+                          n, k, rows_per_warp, eps, prefetch);                                                 \
   }
 #define MII_GEMV_FP8(SUFFIX, D)                                                                                \
   MII_GEMV_FP8_ONE(SUFFIX, D, PRO_NONE, EPI_NONE, plain)                                                       \
