@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Callable
 
 import torch
 
 from mii_async.kernels import cuda, fp8_linear, get_ops
+from mii_async.kernels.config import KernelConfig
 from mii_async.kernels.fp8_weight import FP8Weight, block_rows, quantize_activations, quantize_blocks, quantize_weight
 
 from .ceilings import _median_seconds, copy_bandwidth, matmul_flops
@@ -76,7 +78,7 @@ def projection_op(ops, name: str, x: torch.Tensor, weight, norm_w: torch.Tensor,
 
 def probe(rows: list[int], scales: list[str], repeats: int, bandwidth: float, bf16_peak: float,
           fp8_peak: float) -> list[dict]:
-    ops = get_ops("cuda")
+    ops = get_ops("cuda", KernelConfig.from_env(os.environ))    # the engine's $MII_ASYNC_* choices
     g = torch.Generator(device="cuda").manual_seed(0)
     out = []
     for name, n, k in PROJECTIONS:

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import torch
 
 from mii_async.kernels import get_ops, reference
+from mii_async.kernels.config import KernelConfig
 
 from .ceilings import copy_bandwidth, matmul_flops
 from .gemm_tiles import timer
@@ -46,7 +48,7 @@ def layer_weights(e: int, h: int, f: int, seed: int = 0) -> tuple[torch.Tensor, 
 def probe(name: str, tokens: list[int], repeats: int, bandwidth: float, flops_peak: float) -> list[dict]:
     """One row per T of the shape `name`."""
     e, k, h, f = SHAPES[name]
-    ops = get_ops("cuda")
+    ops = get_ops("cuda", KernelConfig.from_env(os.environ))    # the engine's $MII_ASYNC_* choices
     router, gate_up, down = layer_weights(e, h, f)
     norm_w = torch.ones(h, device="cuda", dtype=torch.bfloat16)
     run = timer(torch.device("cuda"))
