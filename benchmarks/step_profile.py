@@ -11,7 +11,9 @@ import mii_async
 
 from .token_prompts import prompts
 
-CATEGORIES = (("gemm", ("gemm", "cutlass", "xmma", "sm90", "cublas", "nvjet", "gemv")), ("attention", ("paged_attention", "flash", "fmha", "attention")),
+# First match wins: attention first, since flash's kernel names carry cutlass types.
+CATEGORIES = (("attention", ("paged_attention", "flash", "fmha", "attention")),
+              ("gemm", ("gemm", "cutlass", "xmma", "sm90", "cublas", "nvjet", "gemv")),
               ("norms", ("rms_norm",)), ("rotary+kv", ("rotary",)), ("silu", ("silu",)),
               ("sampling", ("argmax", "softmax", "sort", "topk", "exponential", "cumsum")))
 

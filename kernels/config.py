@@ -36,7 +36,7 @@ class KernelConfig:
     pdl: bool = True
     # Bytes of its first weight rows (of each half, with a gated epilogue) that each block of a skinny GEMM
     # (gemv.cu, gemv_fp8.cu) asks L2 for before it waits on the kernel ahead of it; 0: none.
-    gemv_prefetch: int = 64 << 10
+    gemv_prefetch: int = 16 << 10
 
     def __post_init__(self) -> None:
         if self.decode_kernel not in DECODE_KERNELS:

@@ -100,6 +100,8 @@ def silu_and_mul(x: torch.Tensor, *, config: KernelConfig = DEFAULT) -> torch.Te
     return out
 
 
+ROTARY_NORM_WARPS = 8           # heads a block of rotary_norm_write_kv takes, a warp each
+
 GEMV_MAX_M = 2                  # rows up to which the projections take gemv.cu (instantiated for 1 and 2; at 3
                                 # and 4 rows cuBLAS was as fast or faster on the H200)
 GEMV_WARPS = 8                  # warps per block there (GEMV_WARPS in gemv.cu)
@@ -288,7 +290,8 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
             _ptr(v_cache), _ptr(slot_mapping.contiguous()), np.int32(hq), np.int32(hkv), np.int32(d),
             np.int64(q.stride(0)), np.int64(k.stride(0)), np.int64(v.stride(0)))
     if fused:
-        _launch("rotary_kv", "rotary_norm_write_kv", q.dtype, (t,), (32 * min(32, hq + hkv),),
+        warps = min(ROTARY_NORM_WARPS, hq + hkv)                 # a warp a head
+        _launch("rotary_kv", "rotary_norm_write_kv", q.dtype, (t, -(-(hq + hkv) // warps)), (32 * warps,),
                 (*args, _ptr(qk_norm[0].contiguous()), _ptr(qk_norm[1].contiguous()), np.float32(qk_norm[2])),
                 defines=defines, pdl=config.pdl)
     else:

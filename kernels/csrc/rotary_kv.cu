@@ -2,7 +2,8 @@
 // token's query heads (written to q_out) and key heads (written straight into the cache at the token's slot),
 // and its value heads copied into the cache. cos_sin is [max_pos, D] fp32 holding [cos | sin] of D/2
 // frequencies. q, k, v rows may be strided (views of one fused QKV projection); heads are D apart.
-// rotary_norm_write_kv first takes an RMSNorm of each q and k head (Qwen3, Gemma 3), a warp a head, summed and
+// rotary_norm_write_kv first takes an RMSNorm of each q and k head (Qwen3, Gemma 3), a warp a head and a few
+// warps a block (grid (T, head groups): a decode token's heads run side by side, not in turns), summed and
 // rounded as norms.cu does a row of D (one warp, eight consecutive elements a lane), so that it equals the norm
 // kernel followed by rotary_write_kv bit for bit; it takes D = 16 · 2^n up to 256, where each element's rotary
 // partner (i ± D/2) sits in the lane D/16 away.
@@ -100,7 +101,7 @@ __device__ __forceinline__ void norm_rotate_head(const typename D::T* __restrict
     long long slot = slot_mapping[t];                                                                          \
     pdl_wait();                                                                                                \
     long long kv_row = slot * num_kv_heads * head_dim;                                                         \
-    for (int h = threadIdx.x >> 5; h < num_q_heads + num_kv_heads; h += warps) {                               \
+    for (int h = blockIdx.y * warps + (threadIdx.x >> 5); h < num_q_heads + num_kv_heads; h += gridDim.y * warps) { \
       if (h < num_q_heads)                                                                                     \
         norm_rotate_head<D, D>(q + t * q_stride + h * head_dim, q_out + (t * num_q_heads + h) * head_dim,      \
                             q_norm, cs, head_dim, eps, lane);                                                  \
@@ -108,7 +109,8 @@ __device__ __forceinline__ void norm_rotate_head(const typename D::T* __restrict
         norm_rotate_head<D, KV(D)>(k + t * k_stride + (h - num_q_heads) * head_dim,                            \
                             k_cache + kv_row + (h - num_q_heads) * head_dim, k_norm, cs, head_dim, eps, lane); \
     }                                                                                                          \
-    for (int j = threadIdx.x; j < num_kv_heads * head_dim; j += blockDim.x)                                    \
-      v_cache[kv_row + j] = store_as<D, KV(D)>(Cvt<D>::load(v[t * v_stride + j]));                            \
+    if (blockIdx.y == 0)                                                                                       \
+      for (int j = threadIdx.x; j < num_kv_heads * head_dim; j += blockDim.x)                                  \
+        v_cache[kv_row + j] = store_as<D, KV(D)>(Cvt<D>::load(v[t * v_stride + j]));                          \
   }
 MII_FOR_DTYPES(MII_ROTARY_NORM_KV)
