@@ -81,9 +81,11 @@ def profile(engine, batch: int, steps: int = 8, prompt_len: int = 0, context: in
         for i in range(steps):
             if steady and arriving:
                 arrive(i, arriving[i], 1)
-            before = sum(s.num_computed_tokens for s in engine.seqs.values())
+            seqs = dict(engine.seqs)             # kept: a sequence that ends in this step leaves engine.seqs
+            before = {r: s.num_computed_tokens for r, s in seqs.items()}
             engine.step()
-            tokens += sum(s.num_computed_tokens for s in engine.seqs.values()) - before
+            seqs.update(engine.seqs)
+            tokens += sum(s.num_computed_tokens - before.get(r, 0) for r, s in seqs.items())
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / steps
     _clear(engine)
