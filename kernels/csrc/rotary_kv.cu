@@ -101,7 +101,8 @@ __device__ __forceinline__ void norm_rotate_head(const typename D::T* __restrict
     long long slot = slot_mapping[t];                                                                          \
     pdl_wait();                                                                                                \
     long long kv_row = slot * num_kv_heads * head_dim;                                                         \
-    for (int h = blockIdx.y * warps + (threadIdx.x >> 5); h < num_q_heads + num_kv_heads; h += gridDim.y * warps) { \
+    const int heads = num_q_heads + num_kv_heads;                                                              \
+    for (int h = blockIdx.y * warps + (threadIdx.x >> 5); h < heads; h += gridDim.y * warps) {                 \
       if (h < num_q_heads)                                                                                     \
         norm_rotate_head<D, D>(q + t * q_stride + h * head_dim, q_out + (t * num_q_heads + h) * head_dim,      \
                             q_norm, cs, head_dim, eps, lane);                                                  \
