@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
                      ref_us, floor))
         for kern, warps in (("split", None), ("stream", None), ("mma", 4), ("mma", 2)):
             name = kern if warps is None else f"{kern}/{warps} warps"
-            for part in (None, 128, 256, 512, 1024):
+            for part in (None, 128, 256, 512, 1024, 2048):
                 rows.append((f"  {name} partition {part or 'auto'}", timed(lambda: K.paged_attention_decode(
                     q, kc, vc, tables, lens, hi, 0.088, partition=part, kernel=kern, warps=warps)), ref_us, floor))
             # the other grid order: the blocks running at once are one KV head of many sequences
