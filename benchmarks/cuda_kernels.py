@@ -14,6 +14,7 @@ import statistics
 import torch
 
 from . import ceilings
+from .graph_replay import capture
 
 BANDWIDTH = 4.25e12      # the H200's; main() measures the card's own
 
@@ -21,16 +22,7 @@ BANDWIDTH = 4.25e12      # the H200's; main() measures the card's own
 def timed(fn, reps: int = 20) -> float:
     """Median microseconds of one fn() on the GPU: `reps` calls captured in a CUDA graph (so that host launch
     cost is left out, as in the engine's decode graphs), replayed after warm-up."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
+    graph = capture(fn, reps)
     times = []
     for _ in range(10):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

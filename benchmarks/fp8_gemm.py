@@ -27,6 +27,7 @@ from mii_async.kernels.fp8_weight import FP8Weight, block_rows, quantize_activat
 
 from .ceilings import _median_seconds, copy_bandwidth, matmul_flops
 from .gemm_tiles import timer
+from .graph_replay import capture
 
 HIDDEN, FFN = 4096, 14336
 PROJECTIONS = [("qkv", 6144, HIDDEN), ("o", HIDDEN, HIDDEN), ("gate_up", 2 * FFN, HIDDEN), ("down", HIDDEN, FFN)]
@@ -51,17 +52,7 @@ def fp8_weight(w: torch.Tensor, scales: str) -> FP8Weight:
 
 def graph_seconds(fn: Callable[[], object], repeats: int) -> float:
     """Median seconds of one fn() replayed from a CUDA graph of CALLS calls."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()                                                     # compiles, warms the allocator
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
+    graph = capture(fn, CALLS)
     seconds = timer(torch.device("cuda"))(graph.replay, repeats) / CALLS
     del graph
     return seconds

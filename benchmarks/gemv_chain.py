@@ -22,6 +22,7 @@ from mii_async.kernels.fp8_weight import FP8Weight, quantize_weight
 
 from .ceilings import copy_bandwidth
 from .gemm_tiles import timer
+from .graph_replay import capture
 
 HIDDEN, FFN = 4096, 14336
 SHAPES = (("qkv", 6144, HIDDEN), ("o", HIDDEN, HIDDEN), ("gate_up", 2 * FFN, HIDDEN), ("down", HIDDEN, FFN))
@@ -56,17 +57,7 @@ def step_seconds(layers: list[dict], prefetch: int, repeats: int) -> float:
             ops.add_rms_norm_gate_up(x, residual, norm_w, 1e-5, layer["gate_up"])
             ops.linear(x_ffn, layer["down"])
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()                                                   # compiles, warms the allocator
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    graph.replay()
-    torch.cuda.synchronize()
-    return timer(torch.device("cuda"))(graph.replay, repeats)
+    return timer(torch.device("cuda"))(capture(step).replay, repeats)
 
 
 def main() -> None:

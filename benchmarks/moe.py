@@ -25,6 +25,7 @@ from mii_async.kernels.config import KernelConfig
 
 from .ceilings import copy_bandwidth, matmul_flops
 from .gemm_tiles import timer
+from .graph_replay import capture
 
 SHAPES = {   # name → (experts E, experts per token k, hidden H, one expert's FFN F)
     "mixtral-8x7b": (8, 2, 4096, 14336),
@@ -62,15 +63,7 @@ def probe(name: str, tokens: list[int], repeats: int, bandwidth: float, flops_pe
         def ref_step() -> torch.Tensor:
             return reference.add_rms_norm_moe(x, res, norm_w, 1e-6, router, gate_up, down, k, True)[0]
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()                                               # compiles, warms the allocator
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        graph.replay()
+        graph = capture(step)
         ref_step()
         torch.cuda.synchronize()
         graph_s, eager_s, ref_s = run(graph.replay, repeats), run(step, repeats), run(ref_step, max(3, repeats // 10))
