@@ -53,7 +53,7 @@ from .kernel_variants import recapture, variant_config
 from .mixed_load import mixed, mixed_sweep
 from .step_profile import graph_steps, profile
 from .hf_baseline import hf_bs1, hf_offline, parity_references
-from .long_prompts import long_load, long_one, long_parity
+from .long_prompts import kv_token_bytes, long_load, long_one, long_parity
 from .model_shapes import LLAMA3_8B, SHAPES, build_hf, checkpoint_tensors, step_bytes, token_flops
 from .token_prompts import prompts
 
@@ -356,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
                 "floor_output_tok_s": n * 128 / (flops / FLOPS)}
 
     steps = {"parity": lambda: parity(engine, refs), "bs1": with_floor_bs1, "offline": with_floor_offline,
-             "long": lambda: long_load(engine, cfg, flops_per_token, FLOPS),
+             "long": lambda: long_load(engine, cfg, flops_per_token, FLOPS, BANDWIDTH,
+                                       kv_token_bytes(cfg, 1 if a.kv_cache_dtype == "fp8" else 2)),
              "long1": lambda: long_one(engine, cfg, flops_per_token, FLOPS),
              "longparity": lambda: long_parity(engine, hf),
              "mixed": lambda: (mixed_sweep(engine, ints(a.mixed_budgets) or [None],

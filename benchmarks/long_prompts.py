@@ -30,10 +30,24 @@ def attention_flops(cfg, start: int, n: int) -> float:
     return 4.0 * cfg.num_hidden_layers * hq * d * contexts
 
 
-def long_load(engine, cfg, token_flops: float, flops_rate: float, n: int = 64, lo: int = 4000, hi: int = 7900,
-              out: int = 256) -> dict:
+def kv_token_bytes(cfg, element_size: int) -> int:
+    """Bytes of K and V one token keeps in the cache, over every layer, at `element_size` bytes an element."""
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * d * element_size
+
+
+def decode_kv_bytes(prompt_lens: list[int], out: int, token_bytes: int) -> int:
+    """The K/V bytes a load's decode steps read: a sequence's output token j (from 1 on; token 0 comes with
+    its prefill) is decoded over its prompt and j earlier outputs, and attention reads all of them."""
+    return token_bytes * sum((out - 1) * p + (out - 1) * out // 2 for p in prompt_lens)
+
+
+def long_load(engine, cfg, token_flops: float, flops_rate: float, bandwidth: float, token_bytes: int,
+              n: int = 64, lo: int = 4000, hi: int = 7900, out: int = 256) -> dict:
     """n requests of lo–hi prompt tokens and `out` output tokens, all at once: total and output tokens/s, TTFT
-    and ITL percentiles, and the FLOP floor of the whole load (with and without attention)."""
+    and ITL percentiles, and the floors of the whole load: its FLOPs over `flops_rate` (with and without
+    attention), and with the decodes' K/V reads (`token_bytes` a cached token) over `bandwidth` added, which
+    the FLOP floor leaves out."""
     ps = prompts(n, lo, hi, 8)
     engine.reset_prefix_cache()
     drain(engine, [(p, 4) for p in ps[:2]], 60_000)            # warm-up: the long-prompt step shapes
@@ -47,6 +61,7 @@ def long_load(engine, cfg, token_flops: float, flops_rate: float, n: int = 64, l
     weights = token_flops * (prompt_tokens + out_tokens)
     attn = sum(attention_flops(cfg, 0, len(p) + out) for p in ps)
     floor_s, floor_attn_s = weights / flops_rate, (weights + attn) / flops_rate
+    kv_s = decode_kv_bytes([len(p) for p in ps], out, token_bytes) / bandwidth
     return {"requests": n, "prompt_tokens": prompt_tokens, "output_tokens": out_tokens, "seconds": secs,
             "total_tok_s": (prompt_tokens + out_tokens) / secs, "output_tok_s": out_tokens / secs,
             "ttft_s_p50": _pct(ttft, 0.5), "ttft_s_p99": _pct(ttft, 0.99),
@@ -54,6 +69,7 @@ def long_load(engine, cfg, token_flops: float, flops_rate: float, n: int = 64, l
             "floor_total_tok_s": (prompt_tokens + out_tokens) / floor_s,
             "floor_total_tok_s_with_attention": (prompt_tokens + out_tokens) / floor_attn_s,
             "share_of_floor": floor_s / secs, "share_of_floor_with_attention": floor_attn_s / secs,
+            "decode_kv_read_s": kv_s, "share_of_floor_with_attention_and_kv": (floor_attn_s + kv_s) / secs,
             "preemptions": after.get("preemptions", 0) - before.get("preemptions", 0)}
 
 
