@@ -92,13 +92,14 @@ def long_one(engine, cfg, token_flops: float, flops_rate: float, length: int = 3
             "decode_ratio": long_step / short_step}
 
 
-def long_parity(engine, hf, lengths: tuple[int, ...] = (8_000, 32_000), new: int = 32) -> dict:
-    """Per prompt length: our greedy tokens against transformers' bf16 `generate` on the same weights (tokens
+def long_parity(engine, hf, lengths: tuple[int, ...] = (8_000, 32_000), new: int = 32,
+                ids: tuple[int, int] = (1000, 128000)) -> dict:
+    """Per prompt length: our greedy tokens against transformers' `generate` on the same weights (tokens
     before the first difference), and the last prompt position's logits against transformers' (relative error,
-    transformers' forward computing that position's logits only)."""
+    transformers' forward computing that position's logits only). Prompts draw token ids from `ids`."""
     out = {}
     for n in lengths:
-        p = prompts(1, n, n, 10 + n)[0]
+        p = prompts(1, n, n, 10 + n, ids)[0]
         engine.reset_prefix_cache()
         engine.add_request(80_000 + n, p, mii_async.SamplingParams(max_new_tokens=1, ignore_eos=True))
         seq = engine.seqs[80_000 + n]
@@ -110,13 +111,14 @@ def long_parity(engine, hf, lengths: tuple[int, ...] = (8_000, 32_000), new: int
             if plan.seqs[0].sample:
                 logits = lg[0].float()
         engine.abort(80_000 + n)
-        ids = torch.tensor([p], device="cuda")
+        x = torch.tensor([p], device=hf.device)
         with torch.no_grad():
-            ref = hf(ids, logits_to_keep=1).logits[0, -1].float()
-            gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+            ref = hf(x, logits_to_keep=1).logits[0, -1].float()
+            gen = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new,
                               do_sample=False, pad_token_id=0)[0, n:].tolist()
         ours = _tokens(engine, p, new)
         first = next((i for i, (a, b) in enumerate(zip(ours, gen)) if a != b), new)
+        logits = logits.to(ref.device)
         out[str(n)] = {"logits_rel_err": float(torch.linalg.norm(logits - ref) / torch.linalg.norm(ref)),
                        "greedy_tokens_before_divergence": first, "of": new}
     return out

@@ -4,6 +4,8 @@ from __future__ import annotations
 import random
 
 
-def prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+def prompts(n: int, lo: int, hi: int, seed: int, ids: tuple[int, int] = (1000, 128000)) -> list[list[int]]:
+    """n prompts of lo–hi tokens drawn from ids [first, last) (the default clears a Llama-3 vocabulary's
+    special tokens)."""
     rng = random.Random(seed)
-    return [[rng.randrange(1000, 128000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    return [[rng.randrange(*ids) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
