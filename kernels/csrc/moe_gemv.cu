@@ -24,7 +24,9 @@
 
 // Softmax top-k of one token's logits [E] by one warp, as reference.moe_route: the k largest in descending
 // order (the lower expert first among equals), each weight exp(l - max) / Σ exp(l - max) in fp32, divided by
-// the chosen weights' sum with `renorm`. Every lane ends with all k.
+// the chosen weights' sum with `renorm`. Every lane ends with all k. A NaN logit counts as -inf, and -inf ones
+// are chosen in expert order when fewer than k are larger, so that every id names an expert whatever the
+// logits (the weights are then NaN, as the model's numbers already are); NaN marks an expert taken, or none.
 __device__ __forceinline__ void route(const float* __restrict__ logits, int e_count, int top_k, int renorm,
                                       int* ids, float* weights, int lane) {
   float v[MOE_MAX_E / 32];
@@ -32,8 +34,9 @@ __device__ __forceinline__ void route(const float* __restrict__ logits, int e_co
 #pragma unroll
   for (int j = 0; j < MOE_MAX_E / 32; ++j) {
     const int e = lane + 32 * j;
-    v[j] = e < e_count ? logits[e] : NEG_INF;
-    mx = fmaxf(mx, v[j]);
+    const float l = e < e_count ? logits[e] : __int_as_float(0x7fc00000);
+    v[j] = e < e_count && isnan(l) ? NEG_INF : l;
+    mx = fmaxf(mx, v[j]);                        // fmaxf passes over the NaN of no expert
   }
   mx = warp_max(mx);
   float sum = 0.f;
@@ -43,16 +46,16 @@ __device__ __forceinline__ void route(const float* __restrict__ logits, int e_co
   float chosen = 0.f;
   for (int r = 0; r < top_k; ++r) {
     float best = NEG_INF;
-    int at = 1 << 30;
+    int at = 1 << 30;                                          // none yet: loses every comparison below
 #pragma unroll
-    for (int j = 0; j < MOE_MAX_E / 32; ++j)
-      if (v[j] > best) { best = v[j]; at = lane + 32 * j; }    // ascending j: the lowest expert among equals
+    for (int j = 0; j < MOE_MAX_E / 32; ++j)                  // ascending j: the lowest expert among equals
+      if (!isnan(v[j]) && (v[j] > best || at == 1 << 30)) { best = v[j]; at = lane + 32 * j; }
     for (int o = 16; o > 0; o >>= 1) {
       const float b = __shfl_xor_sync(0xffffffffu, best, o);
       const int a = __shfl_xor_sync(0xffffffffu, at, o);
       if (b > best || (b == best && a < at)) { best = b; at = a; }
     }
-    if ((at & 31) == lane) v[at >> 5] = NEG_INF;
+    if ((at & 31) == lane) v[at >> 5] = __int_as_float(0x7fc00000);
     ids[r] = at;
     weights[r] = expf(best - mx) / sum;
     chosen += weights[r];

@@ -216,3 +216,24 @@ def test_few_tokens_replay_in_a_cuda_graph(t):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static_out, layer(x, res))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fill", ["nan", "-inf", "mixed"])
+def test_few_tokens_route_to_real_experts_whatever_the_logits(fill):
+    """Router logits with NaN, or fewer than k above -inf: every chosen id still names a distinct expert (the
+    finite logits first, largest first, then the others in expert order), so the experts' reads stay in their
+    weights and the process goes on; the outputs may be NaN, as the model's numbers are."""
+    e, k, h, f = 40, 3, 264, 88
+    router, gate_up, down = experts(e, h, f, "cuda", torch.bfloat16, seed=3)
+    norm_w = torch.ones(h, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2, h, device="cuda").bfloat16()
+    logits = torch.full((2, e), float(fill) if fill != "mixed" else float("nan"), device="cuda")
+    if fill == "mixed":                         # one finite logit, one -inf, the rest NaN
+        logits[:, 7], logits[:, 5] = 1.0, float("-inf")
+    _, _, ids = M.few_tokens(x, norm_w, 1e-6, logits, k, True, gate_up, down)
+    torch.cuda.synchronize()
+    ids = ids.cpu()
+    assert ((ids >= 0) & (ids < e)).all() and all(len(set(row.tolist())) == k for row in ids)
+    if fill == "mixed":
+        assert ids[:, 0].tolist() == [7, 7] and ids[:, 1:].tolist() == [[0, 1], [0, 1]]
