@@ -9,6 +9,11 @@
 //   moe_down     y [T, H] = Σ_slot weight · (down_e · h[pair]): each expert's product rounded to the storage
 //                type, the weights too, the sum in fp32 — the grouped path's bmm, in one pass: a warp takes an
 //                output row of every slot in turn.
+//   moe_down_wide  the same where F is a multiple of 256 (each 32-lane slice of chunks within one slot): a warp
+//                reads an output row of all the slots as one row of k·F (the slots' rows end to end), GEMV_UNROLL
+//                chunks a lane at a time whichever slot they are in, so that a row of Qwen3-MoE's F = 768 takes
+//                3 loads in flight, not 8 of 3 chunks. Each lane visits its chunks of a slot in the same order
+//                as moe_down, so the two give the same bits.
 // Weight rows are read as in gemv.cu: lane-interleaved 16-byte chunks, the next group in flight while this one
 // is multiplied. Only 16-bit types; the host requires H % 8 == 0, F % 8 == 0, 16-byte aligned rows, at most
 // MOE_MAX_E experts and MOE_MAX_K of them a token.
@@ -242,6 +247,79 @@ __device__ void moe_down(const typename D::T* __restrict__ h, const float* __res
   }
 }
 
+template <typename D>
+__device__ void moe_down_wide(const typename D::T* __restrict__ h, const float* __restrict__ weights,
+                              const long long* __restrict__ ids, int top_k, const typename D::T* __restrict__ w,
+                              typename D::T* __restrict__ y, int n, int f, int rows_per_warp) {
+  extern __shared__ uint4 hs[];                  // [top_k, fc]: this token's pairs' h, the row the weights meet
+  __shared__ long long s_ids[MOE_MAX_K];
+  __shared__ float s_w[MOE_MAX_K];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, fc = f / 8, tok = blockIdx.y;
+  const int vc = top_k * fc;                     // chunks of a row over every slot
+  const long long row0 = ((long long)blockIdx.x * MOE_WARPS + warp) * rows_per_warp;
+  const int nrows = (int)max(0LL, min((long long)rows_per_warp, (long long)n - row0));
+  const int groups = (vc + MOE_UNROLL * 32 - 1) / (MOE_UNROLL * 32);
+  const int steps = nrows * groups;
+  pdl_launch_dependents();
+  pdl_wait();                                    // h, ids and weights are moe_gate_up's
+  if (threadIdx.x < top_k) {
+    s_ids[threadIdx.x] = ids[(long long)tok * top_k + threadIdx.x];
+    s_w[threadIdx.x] = round_to<D>(weights[(long long)tok * top_k + threadIdx.x]);
+  }
+  const uint4* hr = reinterpret_cast<const uint4*>(h + (long long)tok * top_k * f);
+  for (int c = threadIdx.x; c < vc; c += MOE_THREADS) hs[c] = hr[c];
+  __syncthreads();
+
+  const uint4* w4 = reinterpret_cast<const uint4*>(w);
+  // Chunk v of the row (warp-uniform base v0 = v - lane) lies in slot v0 / fc: the slot's expert's row there.
+  auto load = [&](uint4 (&r)[MOE_UNROLL], int s) {
+    const long long row = row0 + s / groups;
+    const int base = (s % groups) * MOE_UNROLL * 32;
+#pragma unroll
+    for (int u = 0; u < MOE_UNROLL; ++u) {
+      const int v0 = base + u * 32;
+      if (s < steps && v0 < vc) {
+        const int slot = v0 / fc;
+        r[u] = load_stream(w4 + (s_ids[slot] * n + row) * fc + (v0 - slot * fc) + lane);
+      } else {
+        r[u].x = r[u].y = r[u].z = r[u].w = 0u;
+      }
+    }
+  };
+  uint4 cur[MOE_UNROLL];
+  load(cur, 0);
+  float acc = 0.f, sum = 0.f;
+  int slot = 0;
+  for (int s = 0; s < steps; ++s) {
+    uint4 nxt[MOE_UNROLL];
+    load(nxt, s + 1);
+    const int base = (s % groups) * MOE_UNROLL * 32;
+#pragma unroll
+    for (int u = 0; u < MOE_UNROLL; ++u) {
+      const int v0 = base + u * 32;
+      if (v0 < vc) {
+        if (v0 / fc != slot) {                   // the slot's product is done (warp-uniform)
+          sum = fmaf(s_w[slot], round_to<D>(warp_sum(acc)), sum);
+          acc = 0.f;
+          slot = v0 / fc;
+        }
+        float wf[8], hf[8];
+        unpack8<D>(cur[u], wf);
+        unpack8<D>(hs[v0 + lane], hf);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc = fmaf(wf[j], hf[j], acc);
+      }
+      cur[u] = nxt[u];
+    }
+    if (s % groups == groups - 1) {              // the row is done: its last slot, then the output
+      sum = fmaf(s_w[slot], round_to<D>(warp_sum(acc)), sum);
+      if (lane == 0) y[(long long)tok * n + row0 + s / groups] = Cvt<D>::store(sum);
+      acc = sum = 0.f;
+      slot = 0;
+    }
+  }
+}
+
 #define MII_MOE(SUFFIX, D)                                                                                     \
   extern "C" __global__ void __launch_bounds__(MOE_THREADS, 2) moe_gate_up_##SUFFIX(                           \
       const D::T* x, long long x_stride, const D::T* norm_w, float eps, const float* logits, int e_count,       \
@@ -254,6 +332,11 @@ __device__ void moe_down(const typename D::T* __restrict__ h, const float* __res
       const D::T* h, const float* weights, const long long* ids, int top_k, const D::T* w, D::T* y, int n,      \
       int f, int rows_per_warp) {                                                                              \
     moe_down<D>(h, weights, ids, top_k, w, y, n, f, rows_per_warp);                                            \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(MOE_THREADS, 2) moe_down_wide_##SUFFIX(                         \
+      const D::T* h, const float* weights, const long long* ids, int top_k, const D::T* w, D::T* y, int n,      \
+      int f, int rows_per_warp) {                                                                              \
+    moe_down_wide<D>(h, weights, ids, top_k, w, y, n, f, rows_per_warp);                                       \
   }
 MII_MOE(bf16, BF16)
 MII_MOE(f16, F16)
