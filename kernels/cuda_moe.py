@@ -49,11 +49,12 @@ def few_tokens_ok(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, 
 
 def few_tokens(stream: torch.Tensor, norm_weight: torch.Tensor, eps: float, logits: torch.Tensor, top_k: int,
                renormalize: bool, gate_up: torch.Tensor, down: torch.Tensor, *, wide: bool | None = None,
-               config: KernelConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               every_warp: bool = True, config: KernelConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The experts of a few tokens through moe_gemv.cu. stream [T, H]: the residual stream (the router's input
     before its RMSNorm, which the kernel repeats); logits [T, E] fp32: the router's, each rounded to the storage
     type (gemv.cu's fp32 output). `wide`: the down rows through moe_down_wide (the default where F is a multiple
-    of 256, which it needs) or moe_down; the two give the same bits. Returns (out [T, H], weights [T, k] fp32,
+    of 256, which it needs) or moe_down; `every_warp`: every warp of moe_gate_up routes and starts loading at
+    once (moe_gate_up_every_warp) or one warp routes for its block; each pair gives the same bits. Returns (out [T, H], weights [T, k] fp32,
     ids [T, k] int64)."""
     t, h = stream.shape
     e, f2, _ = gate_up.shape
@@ -70,7 +71,7 @@ def few_tokens(stream: torch.Tensor, norm_weight: torch.Tensor, eps: float, logi
     lanes = _sm_count() * MOE_WARPS * MOE_BLOCKS_PER_SM
     # Every warp gets the same number of rows (a remainder would leave a tail of single warps).
     per_warp = -(-pairs * f // lanes)
-    _launch("moe_gemv", "moe_gate_up", stream.dtype, (-(-f // (per_warp * MOE_WARPS)), pairs), (MOE_WARPS * 32,),
+    _launch("moe_gemv", "moe_gate_up_every_warp" if every_warp else "moe_gate_up", stream.dtype, (-(-f // (per_warp * MOE_WARPS)), pairs), (MOE_WARPS * 32,),
             (_ptr(stream), np.int64(stream.stride(0)), _ptr(norm_weight.contiguous()), np.float32(eps),
              _ptr(logits), np.int32(e), np.int32(top_k), np.int32(renormalize), _ptr(gate_up), _ptr(hidden),
              _ptr(weights), _ptr(ids), np.int32(f), np.int32(h), np.int32(per_warp)),

@@ -5,7 +5,8 @@
 //                choice, so that no kernel of its own sits between the router and the experts), and xin is the
 //                RMSNorm of the token's residual stream (recomputed by every block, as gemv.cu computes it, so
 //                that it equals the router's input bit for bit). The blocks of column 0 write each pair's
-//                routing weight and expert.
+//                routing weight and expert. moe_gate_up_every_warp: every warp makes the choice itself and
+//                issues its first weight loads before xin is staged (the same bits).
 //   moe_down     y [T, H] = Σ_slot weight · (down_e · h[pair]): each expert's product rounded to the storage
 //                type, the weights too, the sum in fp32 — the grouped path's bmm, in one pass: a warp takes an
 //                output row of every slot in turn.
@@ -66,7 +67,7 @@ __device__ __forceinline__ void route(const float* __restrict__ logits, int e_co
     for (int r = 0; r < top_k; ++r) weights[r] /= chosen;
 }
 
-template <typename D>
+template <typename D, bool EVERY_WARP>
 __device__ void moe_gate_up(const typename D::T* __restrict__ x, long long x_stride,
                             const typename D::T* __restrict__ norm_w, float eps, const float* __restrict__ logits,
                             int e_count, int top_k, int renorm, const typename D::T* __restrict__ w,
@@ -85,16 +86,33 @@ __device__ void moe_gate_up(const typename D::T* __restrict__ x, long long x_str
   pdl_launch_dependents();
   pdl_wait();                                    // the logits and the residual stream are the router's
 
-  if (warp == 0) {
+  const uint4* w4 = nullptr;                     // the slot's expert's [gate | up] rows
+  uint4 cur[MOE_UNROLL];
+  auto load = [&](uint4 (&r)[MOE_UNROLL], int s) {
+    const uint4* wr = w4 + step_row<EPI_SILU>(row0, s, groups, f) * kc;
+    const int c0 = (s % groups) * MOE_UNROLL * 32 + lane;
+#pragma unroll
+    for (int u = 0; u < MOE_UNROLL; ++u) {
+      const int c = c0 + u * 32;
+      if (s < steps && c < kc) r[u] = load_stream(wr + c);
+      else r[u].x = r[u].y = r[u].z = r[u].w = 0u;
+    }
+  };
+  // EVERY_WARP: each warp routes and issues its first weight loads at once, before xin is staged; else warp 0
+  // routes for the block while the others stage.
+  if (EVERY_WARP || warp == 0) {
     int ids[MOE_MAX_K];
     float wts[MOE_MAX_K];
     route(logits + (long long)tok * e_count, e_count, top_k, renorm, ids, wts, lane);
-    if (lane == 0) {
+    if (EVERY_WARP) {
+      w4 = reinterpret_cast<const uint4*>(w) + (long long)ids[slot] * 2 * f * kc;
+      load(cur, 0);
+    } else if (lane == 0) {
       s_expert = ids[slot];
-      if (blockIdx.x == 0) {
-        weights_out[pair] = wts[slot];
-        ids_out[pair] = ids[slot];
-      }
+    }
+    if (warp == 0 && lane == 0 && blockIdx.x == 0) {
+      weights_out[pair] = wts[slot];
+      ids_out[pair] = ids[slot];
     }
   }
   // xin = rms_norm(x): the sum of squares in gemv.cu's order (its thread mapping and passes), so that xin is the
@@ -121,19 +139,10 @@ __device__ void moe_gate_up(const typename D::T* __restrict__ x, long long x_str
   if (lane == 0) red[warp] = ss;
   __syncthreads();                               // the expert is known, xs staged
 
-  const uint4* w4 = reinterpret_cast<const uint4*>(w) + (long long)s_expert * 2 * f * kc;
-  uint4 cur[MOE_UNROLL];
-  auto load = [&](uint4 (&r)[MOE_UNROLL], int s) {
-    const uint4* wr = w4 + step_row<EPI_SILU>(row0, s, groups, f) * kc;
-    const int c0 = (s % groups) * MOE_UNROLL * 32 + lane;
-#pragma unroll
-    for (int u = 0; u < MOE_UNROLL; ++u) {
-      const int c = c0 + u * 32;
-      if (s < steps && c < kc) r[u] = load_stream(wr + c);
-      else r[u].x = r[u].y = r[u].z = r[u].w = 0u;
-    }
-  };
-  load(cur, 0);                                  // in flight while the norm finishes
+  if (!EVERY_WARP) {
+    w4 = reinterpret_cast<const uint4*>(w) + (long long)s_expert * 2 * f * kc;
+    load(cur, 0);                                // in flight while the norm finishes
+  }
   float total = 0.f;
 #pragma unroll
   for (int i = 0; i < MOE_WARPS; ++i) total += red[i];
@@ -325,8 +334,15 @@ __device__ void moe_down_wide(const typename D::T* __restrict__ h, const float* 
       const D::T* x, long long x_stride, const D::T* norm_w, float eps, const float* logits, int e_count,       \
       int top_k, int renorm, const D::T* w, D::T* h, float* weights_out, long long* ids_out, int f, int k,      \
       int rows_per_warp) {                                                                                     \
-    moe_gate_up<D>(x, x_stride, norm_w, eps, logits, e_count, top_k, renorm, w, h, weights_out, ids_out, f, k, \
-                   rows_per_warp);                                                                             \
+    moe_gate_up<D, false>(x, x_stride, norm_w, eps, logits, e_count, top_k, renorm, w, h, weights_out, ids_out, \
+                          f, k, rows_per_warp);                                                                \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(MOE_THREADS, 2) moe_gate_up_every_warp_##SUFFIX(                \
+      const D::T* x, long long x_stride, const D::T* norm_w, float eps, const float* logits, int e_count,       \
+      int top_k, int renorm, const D::T* w, D::T* h, float* weights_out, long long* ids_out, int f, int k,      \
+      int rows_per_warp) {                                                                                     \
+    moe_gate_up<D, true>(x, x_stride, norm_w, eps, logits, e_count, top_k, renorm, w, h, weights_out, ids_out,  \
+                         f, k, rows_per_warp);                                                                 \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(MOE_THREADS, 2) moe_down_##SUFFIX(                              \
       const D::T* h, const float* weights, const long long* ids, int top_k, const D::T* w, D::T* y, int n,      \

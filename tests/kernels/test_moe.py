@@ -222,19 +222,20 @@ def test_few_tokens_replay_in_a_cuda_graph(t):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("e,k,h,f", [(128, 8, 2048, 768), (8, 2, 1024, 512), (16, 3, 264, 256)])
 @pytest.mark.parametrize("t", [1, 2])
-def test_wide_down_rows_give_the_narrow_kernels_bits(dtype, e, k, h, f, t):
-    """moe_down_wide (every slot's down row read as one long row) against moe_down on the same routing: the
-    same bits, each output row written."""
+def test_kernel_variants_give_the_same_bits(dtype, e, k, h, f, t):
+    """moe_down_wide (every slot's down row read as one long row) against moe_down, and moe_gate_up with every
+    warp routing against one warp a block, on the same routing: the same bits, each output row written."""
     router, gate_up, down = experts(e, h, f, "cuda", dtype, seed=t + e)
     norm_w = torch.ones(h, device="cuda", dtype=dtype)
     x = torch.randn(t, h, device="cuda").to(dtype)
     logits, _ = K._gemv("norm", x, router, None, _gpu_ops().config, torch.float32, None, norm_w, 1e-6)
     _poison_allocator()
-    narrow = M.few_tokens(x, norm_w, 1e-6, logits, k, True, gate_up, down, wide=False)
-    _poison_allocator()
-    wide = M.few_tokens(x, norm_w, 1e-6, logits, k, True, gate_up, down, wide=True)
-    assert not wide[0].isnan().any()
-    assert all(torch.equal(a, b) for a, b in zip(narrow, wide))
+    base = M.few_tokens(x, norm_w, 1e-6, logits, k, True, gate_up, down, wide=False, every_warp=False)
+    for wide, every_warp in ((True, False), (False, True), (True, True)):
+        _poison_allocator()
+        out = M.few_tokens(x, norm_w, 1e-6, logits, k, True, gate_up, down, wide=wide, every_warp=every_warp)
+        assert not out[0].isnan().any()
+        assert all(torch.equal(a, b) for a, b in zip(base, out)), (wide, every_warp)
 
 
 def test_wide_down_rows_are_refused_for_an_ffn_size_they_do_not_take():
