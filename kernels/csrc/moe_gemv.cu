@@ -190,6 +190,21 @@ __device__ void moe_gate_up(const typename D::T* __restrict__ x, long long x_str
   }
 }
 
+// moe_down's inputs for token `tok`: its pairs' experts and routing weights (rounded to the storage type) and
+// their h [top_k, F], staged in shared memory for the block.
+template <typename D>
+__device__ __forceinline__ void stage_down(const typename D::T* __restrict__ h, const float* __restrict__ weights,
+                                           const long long* __restrict__ ids, int top_k, int f, int tok,
+                                           long long* s_ids, float* s_w, uint4* hs) {
+  if (threadIdx.x < top_k) {
+    s_ids[threadIdx.x] = ids[(long long)tok * top_k + threadIdx.x];
+    s_w[threadIdx.x] = round_to<D>(weights[(long long)tok * top_k + threadIdx.x]);
+  }
+  const uint4* hr = reinterpret_cast<const uint4*>(h + (long long)tok * top_k * f);
+  for (int c = threadIdx.x; c < top_k * (f / 8); c += MOE_THREADS) hs[c] = hr[c];
+  __syncthreads();
+}
+
 template <typename D>
 __device__ void moe_down(const typename D::T* __restrict__ h, const float* __restrict__ weights,
                          const long long* __restrict__ ids, int top_k, const typename D::T* __restrict__ w,
@@ -205,13 +220,7 @@ __device__ void moe_down(const typename D::T* __restrict__ h, const float* __res
   const int steps = nrows * per_row;
   pdl_launch_dependents();
   pdl_wait();                                    // h, ids and weights are moe_gate_up's
-  if (threadIdx.x < top_k) {
-    s_ids[threadIdx.x] = ids[(long long)tok * top_k + threadIdx.x];
-    s_w[threadIdx.x] = round_to<D>(weights[(long long)tok * top_k + threadIdx.x]);
-  }
-  const uint4* hr = reinterpret_cast<const uint4*>(h + (long long)tok * top_k * f);
-  for (int c = threadIdx.x; c < top_k * fc; c += MOE_THREADS) hs[c] = hr[c];
-  __syncthreads();
+  stage_down<D>(h, weights, ids, top_k, f, tok, s_ids, s_w, hs);
 
   const uint4* w4 = reinterpret_cast<const uint4*>(w);
   auto load = [&](uint4 (&r)[MOE_UNROLL], int s) {
@@ -271,13 +280,7 @@ __device__ void moe_down_wide(const typename D::T* __restrict__ h, const float* 
   const int steps = nrows * groups;
   pdl_launch_dependents();
   pdl_wait();                                    // h, ids and weights are moe_gate_up's
-  if (threadIdx.x < top_k) {
-    s_ids[threadIdx.x] = ids[(long long)tok * top_k + threadIdx.x];
-    s_w[threadIdx.x] = round_to<D>(weights[(long long)tok * top_k + threadIdx.x]);
-  }
-  const uint4* hr = reinterpret_cast<const uint4*>(h + (long long)tok * top_k * f);
-  for (int c = threadIdx.x; c < vc; c += MOE_THREADS) hs[c] = hr[c];
-  __syncthreads();
+  stage_down<D>(h, weights, ids, top_k, f, tok, s_ids, s_w, hs);
 
   const uint4* w4 = reinterpret_cast<const uint4*>(w);
   // Chunk v of the row (warp-uniform base v0 = v - lane) lies in slot v0 / fc: the slot's expert's row there.
