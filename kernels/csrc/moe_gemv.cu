@@ -11,10 +11,10 @@
 //                type, the weights too, the sum in fp32 — the grouped path's bmm, in one pass: a warp takes an
 //                output row of every slot in turn.
 //   moe_down_wide  the same where F is a multiple of 256 (each 32-lane slice of chunks within one slot): a warp
-//                reads an output row of all the slots as one row of k·F (the slots' rows end to end), GEMV_UNROLL
-//                chunks a lane at a time whichever slot they are in, so that a row of Qwen3-MoE's F = 768 takes
-//                3 loads in flight, not 8 of 3 chunks. Each lane visits its chunks of a slot in the same order
-//                as moe_down, so the two give the same bits.
+//                reads an output row of all the slots as one row of k·F (the slots' rows end to end), MOE_UNROLL
+//                chunks a lane at a step whichever slot they are in, so that a row of Qwen3-MoE's F = 768 takes
+//                3 steps of 8 loads in flight, not 8 steps of 3 (the host picks it where it saves steps). Each
+//                lane visits its chunks of a slot in the same order as moe_down, so the two give the same bits.
 // Weight rows are read as in gemv.cu: lane-interleaved 16-byte chunks, the next group in flight while this one
 // is multiplied. Only 16-bit types; the host requires H % 8 == 0, F % 8 == 0, 16-byte aligned rows, at most
 // MOE_MAX_E experts and MOE_MAX_K of them a token.
@@ -283,25 +283,25 @@ __device__ void moe_down_wide(const typename D::T* __restrict__ h, const float* 
   stage_down<D>(h, weights, ids, top_k, f, tok, s_ids, s_w, hs);
 
   const uint4* w4 = reinterpret_cast<const uint4*>(w);
-  // Chunk v of the row (warp-uniform base v0 = v - lane) lies in slot v0 / fc: the slot's expert's row there.
+  // Chunk v of the row (warp-uniform base v0 = v - lane) lies in slot v0 / fc, at v0 - slot·fc of the slot's
+  // expert's row. One division a call: the slices advance by 32 and fc is a multiple of 32, so a slice crosses
+  // into the next slot exactly where its offset reaches fc.
   auto load = [&](uint4 (&r)[MOE_UNROLL], int s) {
     const long long row = row0 + s / groups;
     const int base = (s % groups) * MOE_UNROLL * 32;
+    int sl = base / fc, off = base - sl * fc;
 #pragma unroll
     for (int u = 0; u < MOE_UNROLL; ++u) {
-      const int v0 = base + u * 32;
-      if (s < steps && v0 < vc) {
-        const int slot = v0 / fc;
-        r[u] = load_stream(w4 + (s_ids[slot] * n + row) * fc + (v0 - slot * fc) + lane);
-      } else {
-        r[u].x = r[u].y = r[u].z = r[u].w = 0u;
-      }
+      if (off == fc) { off = 0; ++sl; }
+      if (s < steps && base + u * 32 < vc) r[u] = load_stream(w4 + (s_ids[sl] * n + row) * fc + off + lane);
+      else r[u].x = r[u].y = r[u].z = r[u].w = 0u;
+      off += 32;
     }
   };
   uint4 cur[MOE_UNROLL];
   load(cur, 0);
   float acc = 0.f, sum = 0.f;
-  int slot = 0;
+  int slot = 0, slot_end = fc;                   // the chunk at which the next slot starts
   for (int s = 0; s < steps; ++s) {
     uint4 nxt[MOE_UNROLL];
     load(nxt, s + 1);
@@ -310,10 +310,11 @@ __device__ void moe_down_wide(const typename D::T* __restrict__ h, const float* 
     for (int u = 0; u < MOE_UNROLL; ++u) {
       const int v0 = base + u * 32;
       if (v0 < vc) {
-        if (v0 / fc != slot) {                   // the slot's product is done (warp-uniform)
+        if (v0 == slot_end) {                    // the slot's product is done (warp-uniform)
           sum = fmaf(s_w[slot], round_to<D>(warp_sum(acc)), sum);
           acc = 0.f;
-          slot = v0 / fc;
+          ++slot;
+          slot_end += fc;
         }
         float wf[8], hf[8];
         unpack8<D>(cur[u], wf);
@@ -328,6 +329,7 @@ __device__ void moe_down_wide(const typename D::T* __restrict__ h, const float* 
       if (lane == 0) y[(long long)tok * n + row0 + s / groups] = Cvt<D>::store(sum);
       acc = sum = 0.f;
       slot = 0;
+      slot_end = fc;
     }
   }
 }
