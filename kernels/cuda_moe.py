@@ -2,8 +2,9 @@
 
 - A few tokens (a decode step: T ≤ FEW_TOKENS): moe_gemv.cu, two kernels after the router's GEMV — the first
   chooses each token's experts from the router's logits and runs their gate and up rows with SiLU-and-mul, the
-  second their down rows summed with the routing weights. Only the chosen experts' weights are read, each
-  once, at the rate of the dense GEMV, and nothing waits on the host.
+  second their down rows summed with the routing weights (where the expert FFN size is a multiple of 256, all
+  the slots' rows read as one long row: more loads in flight a warp). Only the chosen experts' weights are
+  read, each once, at the rate of the dense GEMV, and nothing waits on the host.
 - More (prompt chunks, batched decodes): grouped GEMMs (torch._grouped_mm) over the pairs sorted by expert.
 - Another dtype or card, or a torch without _grouped_mm: the reference eagerly, and inside a CUDA graph every
   expert over every token.
@@ -28,6 +29,8 @@ MOE_BLOCKS_PER_SM = 2
 MOE_MAX_E = 256                 # router logits one warp holds there
 MOE_MAX_K = 16
 MOE_SMEM = 160 << 10            # the token's xin [H], or its pairs' h [k, F], is staged in shared memory
+WIDE_F = 256                    # moe_down_wide: each 32-lane slice of 16-byte chunks within one expert's row
+GROUP = 256                     # 16-byte chunks a warp loads a step there (MOE_UNROLL × 32)
 
 
 def few_tokens_ok(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -45,15 +48,31 @@ def few_tokens_ok(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, 
             and all(w.is_contiguous() and w.data_ptr() % 16 == 0 for w in (gate_up, down)))
 
 
+def wide_saves_steps(f: int, top_k: int) -> bool:
+    """Whether moe_down_wide takes an output row in fewer steps than moe_down: it needs F a multiple of WIDE_F,
+    and reads the k slots' rows as one row of k·F/8 chunks where moe_down reads each slot's F/8 in its own steps
+    (Qwen3-MoE's F = 768, k = 8: 3 steps against 8; Mixtral's F = 14336, k = 2: 14 either way)."""
+    fc = f // 8
+    return f % WIDE_F == 0 and -(-top_k * fc // GROUP) < top_k * -(-fc // GROUP)
+
+
 def few_tokens(stream: torch.Tensor, norm_weight: torch.Tensor, eps: float, logits: torch.Tensor, top_k: int,
-               renormalize: bool, gate_up: torch.Tensor, down: torch.Tensor, *,
+               renormalize: bool, gate_up: torch.Tensor, down: torch.Tensor, *, wide: bool | None = None,
+               every_warp: bool = True,
                config: KernelConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The experts of a few tokens through moe_gemv.cu. stream [T, H]: the residual stream (the router's input
     before its RMSNorm, which the kernel repeats); logits [T, E] fp32: the router's, each rounded to the storage
-    type (gemv.cu's fp32 output). Returns (out [T, H], weights [T, k] fp32, ids [T, k] int64)."""
+    type (gemv.cu's fp32 output). `wide`: the down rows through moe_down_wide or moe_down (None: wide where it
+    saves steps, `wide_saves_steps`); `every_warp`: every warp of moe_gate_up routes and starts loading at once
+    (moe_gate_up_every_warp) or one warp routes for its block; each choice gives the same bits. Returns
+    (out [T, H], weights [T, k] fp32, ids [T, k] int64)."""
     t, h = stream.shape
     e, f2, _ = gate_up.shape
     f, pairs = f2 // 2, t * top_k
+    if wide is None:
+        wide = wide_saves_steps(f, top_k)
+    elif wide and f % WIDE_F:
+        raise ValueError(f"wide: moe_down_wide takes an expert FFN size that is a multiple of {WIDE_F}, got {f}")
     dev = stream.device
     hidden = torch.empty((pairs, f), dtype=stream.dtype, device=dev)
     weights = torch.empty((t, top_k), dtype=torch.float32, device=dev)
@@ -62,13 +81,15 @@ def few_tokens(stream: torch.Tensor, norm_weight: torch.Tensor, eps: float, logi
     lanes = _sm_count() * MOE_WARPS * MOE_BLOCKS_PER_SM
     # Every warp gets the same number of rows (a remainder would leave a tail of single warps).
     per_warp = -(-pairs * f // lanes)
-    _launch("moe_gemv", "moe_gate_up", stream.dtype, (-(-f // (per_warp * MOE_WARPS)), pairs), (MOE_WARPS * 32,),
+    _launch("moe_gemv", "moe_gate_up_every_warp" if every_warp else "moe_gate_up", stream.dtype,
+            (-(-f // (per_warp * MOE_WARPS)), pairs), (MOE_WARPS * 32,),
             (_ptr(stream), np.int64(stream.stride(0)), _ptr(norm_weight.contiguous()), np.float32(eps),
              _ptr(logits), np.int32(e), np.int32(top_k), np.int32(renormalize), _ptr(gate_up), _ptr(hidden),
              _ptr(weights), _ptr(ids), np.int32(f), np.int32(h), np.int32(per_warp)),
             shared_mem=h * 2, pdl=config.pdl)
     per_warp = -(-t * h // lanes)
-    _launch("moe_gemv", "moe_down", stream.dtype, (-(-h // (per_warp * MOE_WARPS)), t), (MOE_WARPS * 32,),
+    _launch("moe_gemv", "moe_down_wide" if wide else "moe_down", stream.dtype,
+            (-(-h // (per_warp * MOE_WARPS)), t), (MOE_WARPS * 32,),
             (_ptr(hidden), _ptr(weights), _ptr(ids), np.int32(top_k), _ptr(down), _ptr(out), np.int32(h),
              np.int32(f), np.int32(per_warp)),
             shared_mem=top_k * f * 2, pdl=config.pdl)

@@ -5,10 +5,16 @@
 //                choice, so that no kernel of its own sits between the router and the experts), and xin is the
 //                RMSNorm of the token's residual stream (recomputed by every block, as gemv.cu computes it, so
 //                that it equals the router's input bit for bit). The blocks of column 0 write each pair's
-//                routing weight and expert.
+//                routing weight and expert. moe_gate_up_every_warp: every warp makes the choice itself and
+//                issues its first weight loads before xin is staged (the same bits).
 //   moe_down     y [T, H] = Σ_slot weight · (down_e · h[pair]): each expert's product rounded to the storage
 //                type, the weights too, the sum in fp32 — the grouped path's bmm, in one pass: a warp takes an
 //                output row of every slot in turn.
+//   moe_down_wide  the same where F is a multiple of 256 (each 32-lane slice of chunks within one slot): a warp
+//                reads an output row of all the slots as one row of k·F (the slots' rows end to end), MOE_UNROLL
+//                chunks a lane at a step whichever slot they are in, so that a row of Qwen3-MoE's F = 768 takes
+//                3 steps of 8 loads in flight, not 8 steps of 3 (the host picks it where it saves steps). Each
+//                lane visits its chunks of a slot in the same order as moe_down, so the two give the same bits.
 // Weight rows are read as in gemv.cu: lane-interleaved 16-byte chunks, the next group in flight while this one
 // is multiplied. Only 16-bit types; the host requires H % 8 == 0, F % 8 == 0, 16-byte aligned rows, at most
 // MOE_MAX_E experts and MOE_MAX_K of them a token.
@@ -64,7 +70,7 @@ __device__ __forceinline__ void route(const float* __restrict__ logits, int e_co
     for (int r = 0; r < top_k; ++r) weights[r] /= chosen;
 }
 
-template <typename D>
+template <typename D, bool EVERY_WARP>
 __device__ void moe_gate_up(const typename D::T* __restrict__ x, long long x_stride,
                             const typename D::T* __restrict__ norm_w, float eps, const float* __restrict__ logits,
                             int e_count, int top_k, int renorm, const typename D::T* __restrict__ w,
@@ -83,16 +89,33 @@ __device__ void moe_gate_up(const typename D::T* __restrict__ x, long long x_str
   pdl_launch_dependents();
   pdl_wait();                                    // the logits and the residual stream are the router's
 
-  if (warp == 0) {
+  const uint4* w4 = nullptr;                     // the slot's expert's [gate | up] rows
+  uint4 cur[MOE_UNROLL];
+  auto load = [&](uint4 (&r)[MOE_UNROLL], int s) {
+    const uint4* wr = w4 + step_row<EPI_SILU>(row0, s, groups, f) * kc;
+    const int c0 = (s % groups) * MOE_UNROLL * 32 + lane;
+#pragma unroll
+    for (int u = 0; u < MOE_UNROLL; ++u) {
+      const int c = c0 + u * 32;
+      if (s < steps && c < kc) r[u] = load_stream(wr + c);
+      else r[u].x = r[u].y = r[u].z = r[u].w = 0u;
+    }
+  };
+  // EVERY_WARP: each warp routes and issues its first weight loads at once, before xin is staged; else warp 0
+  // routes for the block while the others stage.
+  if (EVERY_WARP || warp == 0) {
     int ids[MOE_MAX_K];
     float wts[MOE_MAX_K];
     route(logits + (long long)tok * e_count, e_count, top_k, renorm, ids, wts, lane);
-    if (lane == 0) {
+    if (EVERY_WARP) {
+      w4 = reinterpret_cast<const uint4*>(w) + (long long)ids[slot] * 2 * f * kc;
+      load(cur, 0);
+    } else if (lane == 0) {
       s_expert = ids[slot];
-      if (blockIdx.x == 0) {
-        weights_out[pair] = wts[slot];
-        ids_out[pair] = ids[slot];
-      }
+    }
+    if (warp == 0 && lane == 0 && blockIdx.x == 0) {
+      weights_out[pair] = wts[slot];
+      ids_out[pair] = ids[slot];
     }
   }
   // xin = rms_norm(x): the sum of squares in gemv.cu's order (its thread mapping and passes), so that xin is the
@@ -119,19 +142,10 @@ __device__ void moe_gate_up(const typename D::T* __restrict__ x, long long x_str
   if (lane == 0) red[warp] = ss;
   __syncthreads();                               // the expert is known, xs staged
 
-  const uint4* w4 = reinterpret_cast<const uint4*>(w) + (long long)s_expert * 2 * f * kc;
-  uint4 cur[MOE_UNROLL];
-  auto load = [&](uint4 (&r)[MOE_UNROLL], int s) {
-    const uint4* wr = w4 + step_row<EPI_SILU>(row0, s, groups, f) * kc;
-    const int c0 = (s % groups) * MOE_UNROLL * 32 + lane;
-#pragma unroll
-    for (int u = 0; u < MOE_UNROLL; ++u) {
-      const int c = c0 + u * 32;
-      if (s < steps && c < kc) r[u] = load_stream(wr + c);
-      else r[u].x = r[u].y = r[u].z = r[u].w = 0u;
-    }
-  };
-  load(cur, 0);                                  // in flight while the norm finishes
+  if (!EVERY_WARP) {
+    w4 = reinterpret_cast<const uint4*>(w) + (long long)s_expert * 2 * f * kc;
+    load(cur, 0);                                // in flight while the norm finishes
+  }
   float total = 0.f;
 #pragma unroll
   for (int i = 0; i < MOE_WARPS; ++i) total += red[i];
@@ -179,6 +193,21 @@ __device__ void moe_gate_up(const typename D::T* __restrict__ x, long long x_str
   }
 }
 
+// moe_down's inputs for token `tok`: its pairs' experts and routing weights (rounded to the storage type) and
+// their h [top_k, F], staged in shared memory for the block.
+template <typename D>
+__device__ __forceinline__ void stage_down(const typename D::T* __restrict__ h, const float* __restrict__ weights,
+                                           const long long* __restrict__ ids, int top_k, int f, int tok,
+                                           long long* s_ids, float* s_w, uint4* hs) {
+  if (threadIdx.x < top_k) {
+    s_ids[threadIdx.x] = ids[(long long)tok * top_k + threadIdx.x];
+    s_w[threadIdx.x] = round_to<D>(weights[(long long)tok * top_k + threadIdx.x]);
+  }
+  const uint4* hr = reinterpret_cast<const uint4*>(h + (long long)tok * top_k * f);
+  for (int c = threadIdx.x; c < top_k * (f / 8); c += MOE_THREADS) hs[c] = hr[c];
+  __syncthreads();
+}
+
 template <typename D>
 __device__ void moe_down(const typename D::T* __restrict__ h, const float* __restrict__ weights,
                          const long long* __restrict__ ids, int top_k, const typename D::T* __restrict__ w,
@@ -194,13 +223,7 @@ __device__ void moe_down(const typename D::T* __restrict__ h, const float* __res
   const int steps = nrows * per_row;
   pdl_launch_dependents();
   pdl_wait();                                    // h, ids and weights are moe_gate_up's
-  if (threadIdx.x < top_k) {
-    s_ids[threadIdx.x] = ids[(long long)tok * top_k + threadIdx.x];
-    s_w[threadIdx.x] = round_to<D>(weights[(long long)tok * top_k + threadIdx.x]);
-  }
-  const uint4* hr = reinterpret_cast<const uint4*>(h + (long long)tok * top_k * f);
-  for (int c = threadIdx.x; c < top_k * fc; c += MOE_THREADS) hs[c] = hr[c];
-  __syncthreads();
+  stage_down<D>(h, weights, ids, top_k, f, tok, s_ids, s_w, hs);
 
   const uint4* w4 = reinterpret_cast<const uint4*>(w);
   auto load = [&](uint4 (&r)[MOE_UNROLL], int s) {
@@ -245,18 +268,99 @@ __device__ void moe_down(const typename D::T* __restrict__ h, const float* __res
   }
 }
 
+template <typename D>
+__device__ void moe_down_wide(const typename D::T* __restrict__ h, const float* __restrict__ weights,
+                              const long long* __restrict__ ids, int top_k, const typename D::T* __restrict__ w,
+                              typename D::T* __restrict__ y, int n, int f, int rows_per_warp) {
+  extern __shared__ uint4 hs[];                  // [top_k, fc]: this token's pairs' h, the row the weights meet
+  __shared__ long long s_ids[MOE_MAX_K];
+  __shared__ float s_w[MOE_MAX_K];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, fc = f / 8, tok = blockIdx.y;
+  const int vc = top_k * fc;                     // chunks of a row over every slot
+  const long long row0 = ((long long)blockIdx.x * MOE_WARPS + warp) * rows_per_warp;
+  const int nrows = (int)max(0LL, min((long long)rows_per_warp, (long long)n - row0));
+  const int groups = (vc + MOE_UNROLL * 32 - 1) / (MOE_UNROLL * 32);
+  const int steps = nrows * groups;
+  pdl_launch_dependents();
+  pdl_wait();                                    // h, ids and weights are moe_gate_up's
+  stage_down<D>(h, weights, ids, top_k, f, tok, s_ids, s_w, hs);
+
+  const uint4* w4 = reinterpret_cast<const uint4*>(w);
+  // Chunk v of the row (warp-uniform base v0 = v - lane) lies in slot v0 / fc, at v0 - slot·fc of the slot's
+  // expert's row. One division a call: the slices advance by 32 and fc is a multiple of 32, so a slice crosses
+  // into the next slot exactly where its offset reaches fc.
+  auto load = [&](uint4 (&r)[MOE_UNROLL], int s) {
+    const long long row = row0 + s / groups;
+    const int base = (s % groups) * MOE_UNROLL * 32;
+    int sl = base / fc, off = base - sl * fc;
+#pragma unroll
+    for (int u = 0; u < MOE_UNROLL; ++u) {
+      if (off == fc) { off = 0; ++sl; }
+      if (s < steps && base + u * 32 < vc) r[u] = load_stream(w4 + (s_ids[sl] * n + row) * fc + off + lane);
+      else r[u].x = r[u].y = r[u].z = r[u].w = 0u;
+      off += 32;
+    }
+  };
+  uint4 cur[MOE_UNROLL];
+  load(cur, 0);
+  float acc = 0.f, sum = 0.f;
+  int slot = 0, slot_end = fc;                   // the chunk at which the next slot starts
+  for (int s = 0; s < steps; ++s) {
+    uint4 nxt[MOE_UNROLL];
+    load(nxt, s + 1);
+    const int base = (s % groups) * MOE_UNROLL * 32;
+#pragma unroll
+    for (int u = 0; u < MOE_UNROLL; ++u) {
+      const int v0 = base + u * 32;
+      if (v0 < vc) {
+        if (v0 == slot_end) {                    // the slot's product is done (warp-uniform)
+          sum = fmaf(s_w[slot], round_to<D>(warp_sum(acc)), sum);
+          acc = 0.f;
+          ++slot;
+          slot_end += fc;
+        }
+        float wf[8], hf[8];
+        unpack8<D>(cur[u], wf);
+        unpack8<D>(hs[v0 + lane], hf);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc = fmaf(wf[j], hf[j], acc);
+      }
+      cur[u] = nxt[u];
+    }
+    if (s % groups == groups - 1) {              // the row is done: its last slot, then the output
+      sum = fmaf(s_w[slot], round_to<D>(warp_sum(acc)), sum);
+      if (lane == 0) y[(long long)tok * n + row0 + s / groups] = Cvt<D>::store(sum);
+      acc = sum = 0.f;
+      slot = 0;
+      slot_end = fc;
+    }
+  }
+}
+
 #define MII_MOE(SUFFIX, D)                                                                                     \
   extern "C" __global__ void __launch_bounds__(MOE_THREADS, 2) moe_gate_up_##SUFFIX(                           \
       const D::T* x, long long x_stride, const D::T* norm_w, float eps, const float* logits, int e_count,       \
       int top_k, int renorm, const D::T* w, D::T* h, float* weights_out, long long* ids_out, int f, int k,      \
       int rows_per_warp) {                                                                                     \
-    moe_gate_up<D>(x, x_stride, norm_w, eps, logits, e_count, top_k, renorm, w, h, weights_out, ids_out, f, k, \
-                   rows_per_warp);                                                                             \
+    moe_gate_up<D, false>(x, x_stride, norm_w, eps, logits, e_count, top_k, renorm, w, h, weights_out, ids_out, \
+                          f, k, rows_per_warp);                                                                \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(MOE_THREADS, 2) moe_gate_up_every_warp_##SUFFIX(                \
+      const D::T* x, long long x_stride, const D::T* norm_w, float eps, const float* logits, int e_count,       \
+      int top_k, int renorm, const D::T* w, D::T* h, float* weights_out, long long* ids_out, int f, int k,      \
+      int rows_per_warp) {                                                                                     \
+    moe_gate_up<D, true>(x, x_stride, norm_w, eps, logits, e_count, top_k, renorm, w, h, weights_out, ids_out,  \
+                         f, k, rows_per_warp);                                                                 \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(MOE_THREADS, 2) moe_down_##SUFFIX(                              \
       const D::T* h, const float* weights, const long long* ids, int top_k, const D::T* w, D::T* y, int n,      \
       int f, int rows_per_warp) {                                                                              \
     moe_down<D>(h, weights, ids, top_k, w, y, n, f, rows_per_warp);                                            \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(MOE_THREADS, 2) moe_down_wide_##SUFFIX(                         \
+      const D::T* h, const float* weights, const long long* ids, int top_k, const D::T* w, D::T* y, int n,      \
+      int f, int rows_per_warp) {                                                                              \
+    moe_down_wide<D>(h, weights, ids, top_k, w, y, n, f, rows_per_warp);                                       \
   }
 MII_MOE(bf16, BF16)
 MII_MOE(f16, F16)

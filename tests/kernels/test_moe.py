@@ -149,8 +149,12 @@ FEW = {**SHAPES, "qwen3-30b-a3b": (128, 8, 2048, 768), "odd": (40, 3, 264, 88)}
 
 
 def _poison_allocator() -> None:
-    """Fills the caching allocator's free blocks with NaN, so that an output the kernels leave unwritten shows."""
-    junk = torch.full((64 << 20,), float("nan"), device="cuda")
+    """Fills the caching allocator's free blocks with 0xFF bytes (NaN in bf16, fp16 and fp32), so that an output
+    the kernels leave unwritten shows: one large block, and blocks of the small pool (up to 1 MiB), from which
+    it serves the few-token outputs."""
+    junk = [torch.full((256 << 20,), 255, dtype=torch.uint8, device="cuda")]
+    junk += [torch.full((size,), 255, dtype=torch.uint8, device="cuda") for size in (512, 4096, 32768, 262144)
+             for _ in range(16)]
     del junk
 
 
@@ -237,3 +241,36 @@ def test_few_tokens_route_to_real_experts_whatever_the_logits(fill):
     assert ((ids >= 0) & (ids < e)).all() and all(len(set(row.tolist())) == k for row in ids)
     if fill == "mixed":
         assert ids[:, 0].tolist() == [7, 7] and ids[:, 1:].tolist() == [[0, 1], [0, 1]]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("e,k,h,f", [(128, 8, 2048, 768), (8, 2, 1024, 512), (16, 3, 264, 256),
+                                     (8, 2, 1024, 1792), (8, 2, 512, 3584)])
+@pytest.mark.parametrize("t", [1, 2])
+def test_kernel_variants_give_the_same_bits(dtype, e, k, h, f, t):
+    """moe_down_wide (every slot's down row read as one long row) against moe_down, and moe_gate_up with every
+    warp routing against one warp a block, on the same routing: the same bits, each output row written."""
+    router, gate_up, down = experts(e, h, f, "cuda", dtype, seed=t + e)
+    norm_w = torch.ones(h, device="cuda", dtype=dtype)
+    x = torch.randn(t, h, device="cuda").to(dtype)
+    logits, _ = K._gemv("norm", x, router, None, _gpu_ops().config, torch.float32, None, norm_w, 1e-6)
+    _poison_allocator()
+    base = M.few_tokens(x, norm_w, 1e-6, logits, k, True, gate_up, down, wide=False, every_warp=False)
+    for wide, every_warp in ((True, False), (False, True), (True, True)):
+        _poison_allocator()
+        out = M.few_tokens(x, norm_w, 1e-6, logits, k, True, gate_up, down, wide=wide, every_warp=every_warp)
+        assert not any(t.float().isnan().any() for t in out[:2])
+        assert all(torch.equal(a, b) for a, b in zip(base, out)), (wide, every_warp)
+
+
+@pytest.mark.parametrize("f,k,wide", [(768, 8, True), (14336, 2, False), (7168, 2, True), (3584, 2, False),
+                                      (384, 8, False), (256, 3, True), (512, 2, True), (2048, 8, False)])
+def test_the_wide_down_rows_are_chosen_where_they_save_steps(f, k, wide):
+    """Steps a row: k·⌈F/8/256⌉ for moe_down against ⌈k·F/8/256⌉ for moe_down_wide, which needs F % 256 == 0."""
+    assert M.wide_saves_steps(f, k) is wide
+
+
+def test_wide_down_rows_are_refused_for_an_ffn_size_they_do_not_take():
+    with pytest.raises(ValueError, match="multiple of 256, got 88"):
+        M.few_tokens(torch.zeros(1, 264), torch.ones(264), 1e-6, torch.zeros(1, 40), 3, True,
+                     torch.zeros(40, 176, 264), torch.zeros(40, 264, 88), wide=True)
