@@ -216,7 +216,9 @@ def add_rms_norm_mlp(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
     if isinstance(gate_up, FP8Weight) and isinstance(down, FP8Weight) and gate_up.shape[0] == 2 * down.shape[1] \
             and not fp8_linear.gemv_ok(x, gate_up, norm_weight, residual):
         y, residual = add_rms_norm_linear(x, residual, norm_weight, eps, gate_up, config=config)   # [gate | up]
-        out = fp8_linear.silu_linear(y, down, config=config)
+        out = None
+        if not fp8_linear.gemv_ok(y[:, :down.shape[1]], down):     # (down's GEMV may take more rows than gate_up's)
+            out = fp8_linear.silu_linear(y, down, config=config)
         if out is None:
             out = linear(silu_and_mul(y, config=config), down, config=config)
         return out, residual
