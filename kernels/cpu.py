@@ -226,6 +226,12 @@ def add_rms_norm_gate_up(x: torch.Tensor, residual: torch.Tensor | None, norm_we
     return silu_and_mul(y), residual
 
 
+def add_rms_norm_mlp(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                     gate_up, down) -> tuple[torch.Tensor, torch.Tensor]:
+    y, residual = add_rms_norm_gate_up(x, residual, norm_weight, eps, gate_up)
+    return linear(y, down), residual
+
+
 def add_rms_norm_gate_up_gelu(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                               eps: float, gate_up, *,
                               pre_norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:

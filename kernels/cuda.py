@@ -34,7 +34,8 @@ from .prefill_attention import prefill_attention  # noqa: F401 (the op set)
 
 RAGGED_PREFILL = True           # takes AttentionMetadata.prefill_groups (the runner builds them)
 CONFIGURED = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "linear", "add_rms_norm_linear",
-              "add_rms_norm_gate_up", "add_rms_norm_gate_up_gelu", "gelu_tanh_and_mul", "rotary_write_kv",
+              "add_rms_norm_gate_up", "add_rms_norm_mlp", "add_rms_norm_gate_up_gelu", "gelu_tanh_and_mul",
+              "rotary_write_kv",
               "paged_attention", "paged_attention_decode", "moe_experts", "add_rms_norm_moe")
 
 rotary_embedding = reference.rotary_embedding
@@ -204,6 +205,25 @@ def add_rms_norm_gate_up(x: torch.Tensor, residual: torch.Tensor | None, norm_we
         return y, x if res_out is None else res_out
     y, residual = add_rms_norm_linear(x, residual, norm_weight, eps, gate_up, config=config)
     return silu_and_mul(y, config=config), residual
+
+
+def add_rms_norm_mlp(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                     gate_up: torch.Tensor | FP8Weight, down: torch.Tensor | FP8Weight, *,
+                     config: KernelConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
+    """As the reference. FP8 projections over more rows than their GEMV takes: silu(gate) * up is the down
+    projection's activation quantization (fp8_linear.silu_linear), never written in the model dtype. Otherwise
+    add_rms_norm_gate_up (at a few rows, its GEMV with SiLU-and-mul as epilogue), then linear."""
+    if isinstance(gate_up, FP8Weight) and isinstance(down, FP8Weight) and gate_up.shape[0] == 2 * down.shape[1] \
+            and not fp8_linear.gemv_ok(x, gate_up, norm_weight, residual):
+        y, residual = add_rms_norm_linear(x, residual, norm_weight, eps, gate_up, config=config)   # [gate | up]
+        out = None
+        if not fp8_linear.gemv_ok(y[:, :down.shape[1]], down):     # (down's GEMV may take more rows than gate_up's)
+            out = fp8_linear.silu_linear(y, down, config=config)
+        if out is None:
+            out = linear(silu_and_mul(y, config=config), down, config=config)
+        return out, residual
+    y, residual = add_rms_norm_gate_up(x, residual, norm_weight, eps, gate_up, config=config)
+    return linear(y, down, config=config), residual
 
 
 def _pre_norm_gemv_ok(x: torch.Tensor, residual: torch.Tensor | None, pre_norm: tuple[torch.Tensor, float],

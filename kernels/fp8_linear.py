@@ -99,14 +99,17 @@ def _gemv(kind: str, x: torch.Tensor, w: FP8Weight, bias: torch.Tensor | None, c
 # -- many rows: quantized activations, torch._scaled_mm ------------------------------------------------------
 
 def quantize(x: torch.Tensor, w: FP8Weight, residual: torch.Tensor | None = None,
-             norm_weight: torch.Tensor | None = None, eps: float = 0.0, *,
+             norm_weight: torch.Tensor | None = None, eps: float = 0.0, *, silu: bool = False,
              config: KernelConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """x [T, K] (with `norm_weight`, rms_norm(x + residual) first) → (e4m3 [R, K], scales, the summed residual
-    [T, K] or None) as `w` is multiplied: per token [R], or beside block scales per token and 128 columns [G, R]
-    (transposed: _scaled_mm's layout), or w's static input scale [R]. R is T, or beside block scales T rounded up
-    to SCALED_ROW_ALIGN (the rows past T unwritten: their products are dropped). fp8_quant.cu: one block a row."""
+    """x [T, K] (with `norm_weight`, rms_norm(x + residual) first; with `silu`, x is [gate | up] [T, 2K] and
+    silu(gate) * up is what is quantized) → (e4m3 [R, K], scales, the summed residual [T, K] or None) as `w` is
+    multiplied: per token [R], or beside block scales per token and 128 columns [G, R] (transposed: _scaled_mm's
+    layout), or w's static input scale [R]. R is T, or beside block scales T rounded up to SCALED_ROW_ALIGN (the
+    rows past T unwritten: their products are dropped). fp8_quant.cu: one block a row."""
     t, k = x.shape
     assert x.stride(-1) == 1, f"rows must be contiguous, got strides {x.stride()}"
+    assert not silu or (norm_weight is None and k % 2 == 0), "silu: [gate | up] rows, no norm"
+    k = k // 2 if silu else k
     grouped = w.blocked and w.input_scale is None
     group = BLOCK_K if grouped else k
     rows = -(-t // SCALED_ROW_ALIGN) * SCALED_ROW_ALIGN if grouped else t
@@ -117,7 +120,7 @@ def quantize(x: torch.Tensor, w: FP8Weight, residual: torch.Tensor | None = None
     threads = min(1024, max(128, -(-k // 8) // 32 * 32))
     if t:
         if norm_weight is None:
-            _launch("fp8_quant", "quant_rows", x.dtype, (t,), (threads,),
+            _launch("fp8_quant", "silu_quant_rows" if silu else "quant_rows", x.dtype, (t,), (threads,),
                     (_ptr(x), np.int64(x.stride(0)), _ptr(q), _ptr(scale), static, np.int32(k), np.int32(group),
                      np.int32(rows)), shared_mem=k * 4 + QUANT_SMEM_EXTRA, pdl=config.pdl)
         else:
@@ -263,6 +266,16 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
     normed, residual = norm(x, residual)
     y = dense_linear(normed, w, bias)
     return (y if out_dtype is None else y.to(out_dtype)), residual
+
+
+def silu_linear(y: torch.Tensor, w: FP8Weight, *, config: KernelConfig = DEFAULT) -> torch.Tensor | None:
+    """(silu(gate) * up) · w for y = [gate | up] [T, 2F], SiLU-and-mul the activations' quantization
+    (silu_quant_rows), then _scaled_mm; None where those do not take it (the caller then runs SiLU-and-mul and
+    `linear`)."""
+    if not (scaled_ok(y, w) and y.is_contiguous() and y.shape[1] == 2 * w.shape[1]):
+        return None
+    q, scale, _ = quantize(y, w, silu=True, config=config)
+    return _scaled_rows(q, scale, w, None, y.dtype, y.shape[0])
 
 
 def add_rms_norm_gate_up(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

@@ -81,6 +81,16 @@ def add_rms_norm_gate_up(x: torch.Tensor, residual: torch.Tensor | None, norm_we
     return silu_and_mul(y), residual
 
 
+def add_rms_norm_mlp(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                     gate_up: torch.Tensor | FP8Weight,
+                     down: torch.Tensor | FP8Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """A SwiGLU MLP over the normed residual stream: (linear(add_rms_norm_gate_up(x, …)[0], down) [T, H],
+    residual' [T, H]). One op, so that an op set may fuse across its middle (the CUDA one quantizes
+    silu(gate) * up for FP8 weights without writing it)."""
+    y, residual = add_rms_norm_gate_up(x, residual, norm_weight, eps, gate_up)
+    return linear(y, down), residual
+
+
 def add_rms_norm_gate_up_gelu(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                               eps: float, gate_up: torch.Tensor | FP8Weight, *,
                               pre_norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:

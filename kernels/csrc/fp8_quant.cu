@@ -8,14 +8,16 @@
 // torch._scaled_mm takes for 1x128 scales, transposed).
 //   PRO_NORM  v = rms_norm(x + residual) (or of x alone), rounded as norms.cu rounds it; the summed residual is
 //             written
+//   PRO_SILU  x is a row of [gate | up] (2k wide) and v = silu(gate) * up, rounded as activation.cu rounds it: the
+//             down projection's input, never written in the model dtype
 // The row is held in dynamic shared memory in fp32 between the passes, with the block reductions' 32 partials
 // after it ((k + 32) · 4 bytes: QUANT_SMEM_EXTRA in kernels/fp8_linear.py). The kernel has no static shared
 // memory, so that the host's dynamic request is its whole footprint: launch.py raises the block's limit above
 // the 48 KiB default by that request alone.
 #include "fp8.cuh"
+#include "gemv_common.cuh"
 
-#define PRO_NONE 0
-#define PRO_NORM 1
+#define PRO_SILU 2
 #define INV_E4M3_MAX (1.f / 448.f)     // amax times this, as kernels/fp8_weight.py (and torch on a GPU) compute it
 #define MIN_SCALE (1.f / (448.f * 512.f))
 #define GROUP 128
@@ -53,6 +55,7 @@ __device__ void quant_row(const typename D::T* __restrict__ x, long long x_strid
   float ss = 0.f;
   for (int i = threadIdx.x; i < k; i += blockDim.x) {
     float v = Cvt<D>::load(x[i]);
+    if (PRO == PRO_SILU) v = round_to<D>(gated<D, EPI_SILU>(v, Cvt<D>::load(x[k + i])));
     if (PRO == PRO_NORM && res != nullptr) {
       v = round_to<D>(v + Cvt<D>::load(res[r * res_stride + i]));
       res_out[r * k + i] = Cvt<D>::store(v);
@@ -113,5 +116,10 @@ __device__ void quant_row(const typename D::T* __restrict__ x, long long x_strid
       float eps) {                                                                                              \
     quant_row<D, PRO_NORM>(x, x_stride, res, res_stride, norm_w, res_out, q, scale, static_scale, k, group, t, \
                            eps);                                                                                \
+  }                                                                                                             \
+  extern "C" __global__ void silu_quant_rows_##SUFFIX(const D::T* x, long long x_stride, unsigned char* q,     \
+                                                       float* scale, const float* static_scale, int k,          \
+                                                       int group, int t) {                                      \
+    quant_row<D, PRO_SILU>(x, x_stride, nullptr, 0, nullptr, nullptr, q, scale, static_scale, k, group, t, 0.f); \
   }
 MII_FOR_DTYPES(MII_QUANT)

@@ -258,3 +258,31 @@ def test_default_model_quantized_on_the_gpu_answers_paris():
     with mii_async.pipeline(str(default_model_dir), quantization="fp8", device="cuda") as pipe:
         r = pipe.chat([{"role": "user", "content": "What is the capital of France?"}], max_new_tokens=32)
     assert r.generated_text == "The capital of France is Paris."
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scales", ["channel", "block", "static"])
+@pytest.mark.parametrize("m", [1, 3, 64, 300])
+@pytest.mark.parametrize("f,k", [(1792, 4096), (136, 208)])
+def test_mlp_quantizes_silu_and_mul_without_writing_it(dtype, scales, m, f, k):
+    """add_rms_norm_mlp over FP8 gate|up and down: beyond the GEMV's rows SiLU-and-mul is the down projection's
+    activation quantization (silu_quant_rows), and the output is the unfused steps' (add_rms_norm_gate_up, then
+    linear) bit for bit; the e4m3 activations are quant_rows' of silu_and_mul's output, bit for bit."""
+    gate_up = weight(2 * f, k, "block" if scales == "block" else "channel")
+    down = weight(k, f, "block" if scales == "block" else "channel")
+    if scales == "static":
+        down = FP8Weight(down.weight, down.scale, torch.tensor(0.02, device="cuda"))
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    res = torch.randn(m, k, device="cuda").to(dtype)
+    nw = (1 + 0.1 * torch.randn(k, device="cuda")).to(dtype)
+    poison()
+    out, new_res = K.add_rms_norm_mlp(x, res, nw, 1e-5, gate_up, down)
+    act, res2 = K.add_rms_norm_gate_up(x, res, nw, 1e-5, gate_up)
+    assert torch.equal(out, K.linear(act, down)) and torch.equal(new_res, res2)
+    if path(x, gate_up) != "gemv" and L.scaled_ok(act, down):
+        y, _ = K.add_rms_norm_linear(x, res, nw, 1e-5, gate_up)
+        poison()
+        q, s, _ = L.quantize(y, down, silu=True)
+        q_ref, s_ref, _ = L.quantize(K.silu_and_mul(y), down)
+        assert torch.equal(q[:m].view(torch.uint8), q_ref[:m].view(torch.uint8))
+        assert torch.equal(s[..., :m], s_ref[..., :m])

@@ -64,12 +64,13 @@ class GatedMLP:
         if self.act == "silu":
             if pre_norm is not None:
                 h = ops.rms_norm(h, pre_norm.weight, pre_norm.eps)
-            y, residual = ops.add_rms_norm_gate_up(h, residual, self.norm.weight, self.norm.eps, self.gate_up)
+            h, residual = ops.add_rms_norm_mlp(h, residual, self.norm.weight, self.norm.eps, self.gate_up,
+                                               self.down)
         else:                           # GeGLU (Gemma): the post-norm is the GEMV's prologue
             extra = {"pre_norm": (pre_norm.weight, pre_norm.eps)} if pre_norm is not None else {}
             y, residual = ops.add_rms_norm_gate_up_gelu(h, residual, self.norm.weight, self.norm.eps, self.gate_up,
                                                         **extra)                 # act(gate) * up [T, F]
-        h = ops.linear(y, self.down)
+            h = ops.linear(y, self.down)
         if self.tp is not None:
             self.tp.all_reduce(h)                                               # row-parallel down
         return h, residual
