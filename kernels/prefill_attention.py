@@ -9,6 +9,9 @@ the key layout is the step's, one for every layer. Other dtypes, or a torch with
 sequence at a time through SDPA's fused kernels (`_prefill_per_sequence`), as does a window where this torch's
 flash forward takes none; soft-capped attention (Gemma 2), which flash does not take here, through the
 reference's fp32 path. An FP8 cache's keys and values are widened to the queries' dtype as they are gathered.
+
+With KernelConfig.prefill_attention = "cudnn" ($MII_ASYNC_PREFILL=cudnn), chunks without a window go a sequence
+at a time through cuDNN's fused attention instead (`_prefill_cudnn`).
 """
 from __future__ import annotations
 
@@ -23,11 +26,15 @@ from .metadata import AttentionMetadata, PrefillGroup
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                       scale: float, out: torch.Tensor, window: int | None = None,
-                      softcap: float | None = None) -> None:
+                      softcap: float | None = None, kernel: str = "flash") -> None:
     """As reference.prefill_attention: the prompt-chunk rows of q [T, Hq, D] written into `out`, each attending
-    its last `window` positions where a window is given, with scores soft-capped where `softcap` is."""
+    its last `window` positions where a window is given, with scores soft-capped where `softcap` is. `kernel`:
+    "flash" or "cudnn" (KernelConfig.prefill_attention; cuDNN takes no window)."""
     if softcap is not None:
         reference.prefill_attention(q, k_cache, v_cache, meta, scale, out, window, softcap)
+        return
+    if kernel == "cudnn" and window is None and _cudnn_ok(q):
+        _prefill_cudnn(q, k_cache, v_cache, meta, scale, out)
         return
     if not _flash_varlen_ok(q) or (window is not None and not _flash_window_available()):
         _prefill_per_sequence(q, k_cache, v_cache, meta, scale, out, window)
@@ -62,6 +69,55 @@ def _flash_window_available() -> bool:
 def _flash_varlen_ok(q: torch.Tensor) -> bool:
     d = q.shape[-1]
     return q.dtype in (torch.bfloat16, torch.float16) and d % 8 == 0 and d <= 256 and _flash_available()
+
+
+def _cudnn_ok(q: torch.Tensor) -> bool:
+    return q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 128 and q.shape[-1] % 8 == 0 \
+        and _cudnn_available()
+
+
+@functools.cache
+def _cudnn_available() -> bool:
+    return torch.backends.cudnn.is_available() and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention") \
+        and torch.cuda.get_device_capability() >= (8, 0)
+
+
+def _cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+           causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """cuDNN's fused attention of q [1, Hq, L, D] over k, v [1, Hq, C, D] → (out [1, Hq, L, D], its log-sum-exp
+    of the scaled scores [1, Hq, L, 1] in fp32); `causal` aligned top-left (query i sees keys ≤ i)."""
+    o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
+                                                               scale=scale)[:2]
+    return o, lse.float().reshape(*q.shape[:3], 1)
+
+
+def _prefill_cudnn(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                   scale: float, out: torch.Tensor) -> None:
+    """A sequence at a time through cuDNN's fused attention: a chunk of L queries over C keys sees the C - L keys
+    before it whole and itself causally, two calls whose outputs are merged by their log-sum-exps (each
+    query's softmax over both parts). K/V heads are expanded to the query heads."""
+    bs = k_cache.shape[1]
+    hq, hkv = q.shape[1], k_cache.shape[2]
+    start = meta.num_decodes
+    for s in range(meta.num_decodes, len(meta.query_lens)):
+        qlen, clen = meta.query_lens[s], meta.context_lens_host[s]
+        blocks = meta.block_tables[s, :-(-clen // bs)]
+        keys = kv_store.select_blocks(k_cache, blocks).flatten(0, 1)[:clen].to(q.dtype)
+        vals = kv_store.select_blocks(v_cache, blocks).flatten(0, 1)[:clen].to(q.dtype)
+        if hq != hkv:
+            keys = keys.repeat_interleave(hq // hkv, dim=1)
+            vals = vals.repeat_interleave(hq // hkv, dim=1)
+        qs = q[start:start + qlen].transpose(0, 1).unsqueeze(0)           # [1, Hq, L, D]
+        ks, vs = keys.transpose(0, 1).unsqueeze(0), vals.transpose(0, 1).unsqueeze(0)
+        past = clen - qlen
+        o, lse = _cudnn(qs, ks[:, :, past:], vs[:, :, past:], scale, causal=True)
+        if past:
+            o_past, lse_past = _cudnn(qs, ks[:, :, :past], vs[:, :, :past], scale, causal=False)
+            m = torch.maximum(lse, lse_past)
+            w, w_past = torch.exp(lse - m), torch.exp(lse_past - m)
+            o = ((o.float() * w + o_past.float() * w_past) / (w + w_past)).to(q.dtype)
+        out[start:start + qlen] = o[0].transpose(0, 1)
+        start += qlen
 
 
 def _groups_from(meta: AttentionMetadata, block_size: int, device: torch.device) -> tuple[PrefillGroup, ...]:

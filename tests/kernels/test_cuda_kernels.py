@@ -309,6 +309,21 @@ def test_ragged_prefill_attention(dtype, case):
     assert rel(out, ref) < TOL[dtype], (case, len(groups))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", [c for c, p in enumerate(PREFILL_CASES) if p[4] <= 128])
+def test_cudnn_prefill_attention(dtype, case):
+    """prefill_attention="cudnn": each chunk through cuDNN's fused attention, over its earlier chunks and
+    itself causally, merged by log-sum-exp; the decodes before the chunks as ever. Against the reference."""
+    qlens, clens, hq, hkv, d, bs, _ = PREFILL_CASES[case]
+    kc, vc, tables = _paged(clens, hkv, d, bs, dtype, seed=200 + case)
+    q = torch.randn(sum(qlens), hq, d, device="cuda").to(dtype)
+    meta = _meta(qlens, clens, tables)
+    ref = R.paged_attention(q.float(), kc.float(), vc.float(), meta, d ** -0.5)
+    poison()
+    out = K.paged_attention(q, kc, vc, meta, d ** -0.5, config=KernelConfig(prefill_attention="cudnn"))
+    assert rel(out, ref) < TOL[dtype], case
+
+
 def test_kernels_are_captured_by_cuda_graphs():
     """The decode attention and norm kernels launched on torch's stream are captured and replayed by a graph."""
     clens = [700, 30]
