@@ -10,8 +10,8 @@ sequence at a time through SDPA's fused kernels (`_prefill_per_sequence`), as do
 flash forward takes none; soft-capped attention (Gemma 2), which flash does not take here, through the
 reference's fp32 path. An FP8 cache's keys and values are widened to the queries' dtype as they are gathered.
 
-With KernelConfig.prefill_attention = "cudnn" ($MII_ASYNC_PREFILL=cudnn), chunks without a window go a sequence
-at a time through cuDNN's fused attention instead (`_prefill_cudnn`).
+With KernelConfig.prefill_attention = "cudnn" ($MII_ASYNC_PREFILL=cudnn), the chunks go through cuDNN's fused
+attention over the paged cache in place instead, where it takes them (kernels/cudnn_prefill.py).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import kv_store, reference
+from . import cudnn_prefill, kv_store, reference
 from .metadata import AttentionMetadata, PrefillGroup
 
 
@@ -33,8 +33,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if softcap is not None:
         reference.prefill_attention(q, k_cache, v_cache, meta, scale, out, window, softcap)
         return
-    if kernel == "cudnn" and window is None and _cudnn_ok(q):
-        _prefill_cudnn(q, k_cache, v_cache, meta, scale, out)
+    if kernel == "cudnn" and cudnn_prefill.supported(q, k_cache, window, softcap):
+        cudnn_prefill.prefill(q, k_cache, v_cache, meta, scale, out)
         return
     if not _flash_varlen_ok(q) or (window is not None and not _flash_window_available()):
         _prefill_per_sequence(q, k_cache, v_cache, meta, scale, out, window)
@@ -69,55 +69,6 @@ def _flash_window_available() -> bool:
 def _flash_varlen_ok(q: torch.Tensor) -> bool:
     d = q.shape[-1]
     return q.dtype in (torch.bfloat16, torch.float16) and d % 8 == 0 and d <= 256 and _flash_available()
-
-
-def _cudnn_ok(q: torch.Tensor) -> bool:
-    return q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 128 and q.shape[-1] % 8 == 0 \
-        and _cudnn_available()
-
-
-@functools.cache
-def _cudnn_available() -> bool:
-    return torch.backends.cudnn.is_available() and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention") \
-        and torch.cuda.get_device_capability() >= (8, 0)
-
-
-def _cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-           causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """cuDNN's fused attention of q [1, Hq, L, D] over k, v [1, Hq, C, D] → (out [1, Hq, L, D], its log-sum-exp
-    of the scaled scores [1, Hq, L, 1] in fp32); `causal` aligned top-left (query i sees keys ≤ i)."""
-    o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
-                                                               scale=scale)[:2]
-    return o, lse.float().reshape(*q.shape[:3], 1)
-
-
-def _prefill_cudnn(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                   scale: float, out: torch.Tensor) -> None:
-    """A sequence at a time through cuDNN's fused attention: a chunk of L queries over C keys sees the C - L keys
-    before it whole and itself causally, two calls whose outputs are merged by their log-sum-exps (each
-    query's softmax over both parts). K/V heads are expanded to the query heads."""
-    bs = k_cache.shape[1]
-    hq, hkv = q.shape[1], k_cache.shape[2]
-    start = meta.num_decodes
-    for s in range(meta.num_decodes, len(meta.query_lens)):
-        qlen, clen = meta.query_lens[s], meta.context_lens_host[s]
-        blocks = meta.block_tables[s, :-(-clen // bs)]
-        keys = kv_store.select_blocks(k_cache, blocks).flatten(0, 1)[:clen].to(q.dtype)
-        vals = kv_store.select_blocks(v_cache, blocks).flatten(0, 1)[:clen].to(q.dtype)
-        if hq != hkv:
-            keys = keys.repeat_interleave(hq // hkv, dim=1)
-            vals = vals.repeat_interleave(hq // hkv, dim=1)
-        qs = q[start:start + qlen].transpose(0, 1).unsqueeze(0)           # [1, Hq, L, D]
-        ks, vs = keys.transpose(0, 1).unsqueeze(0), vals.transpose(0, 1).unsqueeze(0)
-        past = clen - qlen
-        o, lse = _cudnn(qs, ks[:, :, past:], vs[:, :, past:], scale, causal=True)
-        if past:
-            o_past, lse_past = _cudnn(qs, ks[:, :, :past], vs[:, :, :past], scale, causal=False)
-            m = torch.maximum(lse, lse_past)
-            w, w_past = torch.exp(lse - m), torch.exp(lse_past - m)
-            o = ((o.float() * w + o_past.float() * w_past) / (w + w_past)).to(q.dtype)
-        out[start:start + qlen] = o[0].transpose(0, 1)
-        start += qlen
 
 
 def _groups_from(meta: AttentionMetadata, block_size: int, device: torch.device) -> tuple[PrefillGroup, ...]:
