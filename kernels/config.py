@@ -12,10 +12,12 @@ from dataclasses import dataclass
 
 DECODE_KERNELS = ("mma", "stream", "split")
 GRID_ORDERS = ("kv_heads", "sequences")
+PREFILL_KERNELS = ("flash", "cudnn")
 ENV_DECODE_KERNEL = "MII_ASYNC_DECODE"
 ENV_DECODE_GRID = "MII_ASYNC_DECODE_GRID"
 ENV_PDL = "MII_ASYNC_PDL"
 ENV_GEMV_PREFETCH = "MII_ASYNC_GEMV_PREFETCH"
+ENV_PREFILL = "MII_ASYNC_PREFILL"
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,10 @@ class KernelConfig:
     # Bytes of its first weight rows (of each half, with a gated epilogue) that each block of a skinny GEMM
     # (gemv.cu, gemv_fp8.cu) asks L2 for before it waits on the kernel ahead of it; 0: none.
     gemv_prefetch: int = 16 << 10
+    # Prompt chunks' attention (kernels/prefill_attention.py): "flash" (torch's variable-length flash attention,
+    # a group of chunks a call) or "cudnn" (cuDNN's fused attention, a sequence at a time: the earlier chunks
+    # and the chunk itself apart, merged by log-sum-exp), each taking the other's way where it does not apply.
+    prefill_attention: str = "flash"
 
     def __post_init__(self) -> None:
         if self.decode_kernel not in DECODE_KERNELS:
@@ -48,6 +54,9 @@ class KernelConfig:
             raise ValueError(f"mma_narrow_from must be None or an int >= 0, got {n!r}")
         if not isinstance(self.pdl, bool):
             raise ValueError(f"pdl must be true or false, got {self.pdl!r}")
+        if self.prefill_attention not in PREFILL_KERNELS:
+            raise ValueError(f"prefill_attention must be one of {', '.join(PREFILL_KERNELS)}, "
+                             f"got {self.prefill_attention!r}")
         p = self.gemv_prefetch
         if isinstance(p, bool) or not isinstance(p, int) or p < 0:
             raise ValueError(f"gemv_prefetch must be an int >= 0 (bytes), got {p!r}")
@@ -59,8 +68,9 @@ class KernelConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> KernelConfig:
         """The config the environment names: $MII_ASYNC_DECODE (decode_kernel), $MII_ASYNC_DECODE_GRID
-        (decode_grid), $MII_ASYNC_PDL=0 (pdl off), $MII_ASYNC_GEMV_PREFETCH (gemv_prefetch, bytes); the
-        defaults for those unset. A bad value is refused naming its variable."""
+        (decode_grid), $MII_ASYNC_PDL=0 (pdl off), $MII_ASYNC_GEMV_PREFETCH (gemv_prefetch, bytes),
+        $MII_ASYNC_PREFILL (prefill_attention); the defaults for those unset. A bad value is refused naming its
+        variable."""
         kernel = env.get(ENV_DECODE_KERNEL, cls.decode_kernel)
         if kernel not in DECODE_KERNELS:
             raise ValueError(f"{ENV_DECODE_KERNEL} must be one of {', '.join(DECODE_KERNELS)}, got {kernel!r}")
@@ -70,8 +80,11 @@ class KernelConfig:
         prefetch = env.get(ENV_GEMV_PREFETCH, str(cls.gemv_prefetch))
         if not prefetch.isdigit():
             raise ValueError(f"{ENV_GEMV_PREFETCH} must be a number of bytes >= 0, got {prefetch!r}")
+        prefill = env.get(ENV_PREFILL, cls.prefill_attention)
+        if prefill not in PREFILL_KERNELS:
+            raise ValueError(f"{ENV_PREFILL} must be one of {', '.join(PREFILL_KERNELS)}, got {prefill!r}")
         return cls(decode_kernel=kernel, decode_grid=grid, pdl=env.get(ENV_PDL, "1") != "0",
-                   gemv_prefetch=int(prefetch))
+                   gemv_prefetch=int(prefetch), prefill_attention=prefill)
 
 
 DEFAULT = KernelConfig()

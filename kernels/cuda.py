@@ -337,5 +337,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                max(meta.context_lens_host[:nd]), scale, out=out[:nd], window=window,
                                softcap=softcap, config=config)
     if nd < len(meta.query_lens):
-        prefill_attention(q, k_cache, v_cache, meta, scale, out, window, softcap)
+        prefill_attention(q, k_cache, v_cache, meta, scale, out, window, softcap, kernel=config.prefill_attention)
     return out

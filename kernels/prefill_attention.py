@@ -9,6 +9,9 @@ the key layout is the step's, one for every layer. Other dtypes, or a torch with
 sequence at a time through SDPA's fused kernels (`_prefill_per_sequence`), as does a window where this torch's
 flash forward takes none; soft-capped attention (Gemma 2), which flash does not take here, through the
 reference's fp32 path. An FP8 cache's keys and values are widened to the queries' dtype as they are gathered.
+
+With KernelConfig.prefill_attention = "cudnn" ($MII_ASYNC_PREFILL=cudnn), the chunks go through cuDNN's fused
+attention over the paged cache in place instead, where it takes them (kernels/cudnn_prefill.py).
 """
 from __future__ import annotations
 
@@ -17,17 +20,21 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import kv_store, reference
+from . import cudnn_prefill, kv_store, reference
 from .metadata import AttentionMetadata, PrefillGroup
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                       scale: float, out: torch.Tensor, window: int | None = None,
-                      softcap: float | None = None) -> None:
+                      softcap: float | None = None, kernel: str = "flash") -> None:
     """As reference.prefill_attention: the prompt-chunk rows of q [T, Hq, D] written into `out`, each attending
-    its last `window` positions where a window is given, with scores soft-capped where `softcap` is."""
+    its last `window` positions where a window is given, with scores soft-capped where `softcap` is. `kernel`:
+    "flash" or "cudnn" (KernelConfig.prefill_attention; cuDNN takes no window)."""
     if softcap is not None:
         reference.prefill_attention(q, k_cache, v_cache, meta, scale, out, window, softcap)
+        return
+    if kernel == "cudnn" and cudnn_prefill.supported(q, k_cache, window, softcap):
+        cudnn_prefill.prefill(q, k_cache, v_cache, meta, scale, out)
         return
     if not _flash_varlen_ok(q) or (window is not None and not _flash_window_available()):
         _prefill_per_sequence(q, k_cache, v_cache, meta, scale, out, window)

@@ -27,6 +27,7 @@ def test_the_defaults_are_tensor_cores_kv_heads_first_four_warps_and_pdl():
     ("pdl", "0", "pdl must be true or false, got '0'"),
     ("gemv_prefetch", -16, "gemv_prefetch must be an int >= 0 (bytes), got -16"),
     ("gemv_prefetch", 1.5, "gemv_prefetch must be an int >= 0 (bytes), got 1.5"),
+    ("prefill_attention", "fa3", "prefill_attention must be one of flash, cudnn, got 'fa3'"),
 ])
 def test_a_bad_value_is_refused_naming_its_field(field, value, message):
     with pytest.raises(ValueError) as e:
@@ -58,12 +59,14 @@ def test_the_environment_names_a_config():
     assert KernelConfig.from_env(env) == KernelConfig(decode_kernel="stream", decode_grid="sequences", pdl=False)
     assert KernelConfig.from_env({"MII_ASYNC_PDL": "1"}).pdl is True
     assert KernelConfig.from_env({"MII_ASYNC_GEMV_PREFETCH": "0"}).gemv_prefetch == 0
+    assert KernelConfig.from_env({"MII_ASYNC_PREFILL": "cudnn"}).prefill_attention == "cudnn"
 
 
 @pytest.mark.parametrize("name,value,message", [
     ("MII_ASYNC_DECODE", "fast", "MII_ASYNC_DECODE must be one of mma, stream, split, got 'fast'"),
     ("MII_ASYNC_DECODE_GRID", "heads", "MII_ASYNC_DECODE_GRID must be one of kv_heads, sequences, got 'heads'"),
     ("MII_ASYNC_GEMV_PREFETCH", "64k", "MII_ASYNC_GEMV_PREFETCH must be a number of bytes >= 0, got '64k'"),
+    ("MII_ASYNC_PREFILL", "fa3", "MII_ASYNC_PREFILL must be one of flash, cudnn, got 'fa3'"),
 ])
 def test_a_bad_environment_value_is_refused_naming_its_variable(name, value, message):
     with pytest.raises(ValueError) as e:
