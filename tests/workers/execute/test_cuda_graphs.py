@@ -48,7 +48,7 @@ def test_a_long_document_decodes_from_a_long_cap_graph(tmp_path):
         if graphs:
             g = engine.runner.graphs
             assert [(c.cap, c.max_batch) for c in g.caps][-2:] == [(32768, 4), (40000, 4)]
-            assert g.replays >= 15 and len(g.caps[3].graphs) == 3             # buckets 1, 2, 4
+            assert g.replays >= 10 and len(g.caps[3].graphs) == 3             # buckets 1, 2, 4
     assert outs[True] == outs[False]
 
 
