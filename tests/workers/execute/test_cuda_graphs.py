@@ -36,7 +36,7 @@ def test_graph_decode_equals_eager(tmp_path, kernels):
 
 def test_a_long_document_decodes_from_a_long_cap_graph(tmp_path):
     """Contexts past 8192 tokens at a small batch replay the graphs of a long cap (32768 here): the same greedy
-    tokens as eagerly, every decode step replayed."""
+    tokens as eagerly, its decode steps replayed (eagerly none would be)."""
     path = _model(tmp_path, 256, 4, 2, 40000)
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (9000, 30)]
