@@ -11,8 +11,8 @@ The caps are 512, 2048 and 8192 tokens for every bucket; past 8192, caps four ti
 context (32k, 128k, …) hold the buckets of up to LONG_CAP_BATCH sequences, so that a long document's decode
 at a small batch keeps the graph path (the skinny GEMVs, no launch cost). Without them such a step would run
 through the piecewise graphs, whose smallest bucket pads it to 16 rows of cuBLAS GEMMs. A large batch at
-long contexts is bound by its K/V reads, and its splits' partial outputs would be large; it runs eagerly, as
-do steps with prompt chunks.
+long contexts is bound by its K/V reads, and its splits' partial outputs would be large; it runs through the
+piecewise graphs, as do steps with prompt chunks (eagerly where those are off).
 
 Graphs are captured on torch's graph pool; CuPy kernels launch on torch's current stream and are captured with
 the rest (kernels/cuda.py).
@@ -40,10 +40,16 @@ _FIELDS = 6                      # ids, positions, slots, context lengths, place
                                  # scheduling); then the block tables
 
 
-def graph_reserve(max_batch: int, vocab_size: int) -> int:
+def graph_reserve(max_batch: int, vocab_size: int, max_context: int = 0, num_heads: int = 0,
+                  head_dim: int = 0) -> int:
     """What the memory plan sets aside for the graphs before they exist: the persistent logits, twice the
-    biggest graph's logits in the pool (fp32 and the model dtype), and 256 MiB for the rest of its step."""
-    return 3 * max_batch * vocab_size * 4 + (256 << 20)
+    biggest graph's logits in the pool (fp32 and the model dtype), 256 MiB for the rest of its step, and, past
+    CONTEXT_CAPS, the longest cap's decode splits (fp32 partial outputs, maxima and sums of each query head, in
+    the 512-token splits that a batch of sequences over such a cap takes), which would outgrow the 256 MiB at a
+    context of about a million tokens."""
+    long_caps = context_caps(max_context, max_batch)[len(CONTEXT_CAPS):] if max_context > CONTEXT_CAPS[-1] else []
+    splits = max((b * num_heads * -(-c // 512) * (head_dim + 2) * 4 for c, b in long_caps), default=0)
+    return 3 * max_batch * vocab_size * 4 + (256 << 20) + splits
 
 
 def context_caps(max_context: int, max_batch: int) -> list[tuple[int, int]]:
@@ -110,28 +116,29 @@ class DecodeGraphs:
         self.replays = 0
 
     def capture(self) -> None:
-        """Captures every (cap, bucket) graph, largest first so that smaller ones reuse its pool memory."""
+        """Captures every (cap, bucket) graph, the largest (batch × cap) first, so that smaller ones reuse its
+        pool memory (a long cap's few sequences before the 8192 cap's many)."""
         t0 = time.perf_counter()
         torch.cuda.synchronize(self.device)
         free_before = torch.cuda.mem_get_info(self.device)[0]
         self.pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
         with gc_held():                                   # no finalizer may call into CUDA mid-capture
-            for cap in reversed(self.caps):
-                for b in reversed(cap.buckets):
-                    side.wait_stream(torch.cuda.current_stream(self.device))
-                    with torch.cuda.stream(side):         # warm-up, off the capture: kernels compile, cuBLAS
-                        out = self._forward(cap, b)       # sets up its workspaces
-                    torch.cuda.current_stream(self.device).wait_stream(side)
-                    if self.logits is None:
-                        self.logits = torch.empty((self.buckets[-1], out.shape[1]), dtype=out.dtype,
-                                                  device=self.device)
-                    del out
-                    torch.cuda.synchronize(self.device)
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=self.pool):
-                        self.logits[:b].copy_(self._forward(cap, b))
-                    cap.graphs[b] = g
+            for cap, b in sorted(((c, b) for c in self.caps for b in c.buckets), key=lambda cb: cb[0].cap * cb[1],
+                                 reverse=True):
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):         # warm-up, off the capture: kernels compile, cuBLAS
+                    out = self._forward(cap, b)       # sets up its workspaces
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                if self.logits is None:
+                    self.logits = torch.empty((self.buckets[-1], out.shape[1]), dtype=out.dtype,
+                                              device=self.device)
+                del out
+                torch.cuda.synchronize(self.device)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    self.logits[:b].copy_(self._forward(cap, b))
+                cap.graphs[b] = g
         torch.cuda.synchronize(self.device)
         self.memory = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
         self.capture_seconds = time.perf_counter() - t0
