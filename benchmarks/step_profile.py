@@ -134,8 +134,8 @@ def graph_steps(engine, batch: int, steps: int = 16, prompt_len: int = 128) -> d
         t.append(time.perf_counter())
         for k, a, b in zip(parts, t, t[1:]):
             parts[k] += 1e3 * (b - a) / steps
-    b = next(x for x in g.buckets if x >= batch)
-    cap = next(c for c in g.caps if c.cap >= prompt_len + 3 * steps + 2)
+    cap = next(c for c in g.caps if c.cap >= prompt_len + 3 * steps + 2 and c.max_batch >= batch)
+    b = next(x for x in cap.buckets if x >= batch)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(steps):

@@ -5,7 +5,14 @@ Each graph is captured for a batch bucket (1, 2, 4, 8, 16, 24, 32, 48, … up to
 context cap (the decode kernel's split count is fixed at capture); a step takes the smallest graph that holds
 it, padded: padded rows attend to one token of a scratch KV block that no sequence owns, and their logits are
 dropped. Inputs live in one persistent device buffer per cap, filled from a pinned host mirror with one copy
-per step. Steps with prompt chunks, or contexts past the largest cap, run eagerly.
+per step.
+
+The caps are 512, 2048 and 8192 tokens for every bucket; past 8192, caps four times larger up to the model's
+context (32k, 128k, …) hold the buckets of up to LONG_CAP_BATCH sequences, so that a long document's decode
+at a small batch keeps the graph path (the skinny GEMVs, no launch cost). Without them such a step would run
+through the piecewise graphs, whose smallest bucket pads it to 16 rows of cuBLAS GEMMs. A large batch at
+long contexts is bound by its K/V reads, and its splits' partial outputs would be large; it runs through the
+piecewise graphs, as do steps with prompt chunks (eagerly where those are off).
 
 Graphs are captured on torch's graph pool; CuPy kernels launch on torch's current stream and are captured with
 the rest (kernels/cuda.py).
@@ -25,16 +32,37 @@ from .runner import fill_pending, pack_tables, placeholders
 from ..core.step_plan import StepPlan
 
 log = logging.getLogger("mii_async.workers.execute.cuda_graphs")
-CONTEXT_CAPS = (512, 2048, 8192)  # decode steps with longer contexts run eagerly; a short cap keeps the
-                                  # split count (fixed at capture) small for short contexts
+CONTEXT_CAPS = (512, 2048, 8192)  # every bucket; a short cap keeps the split count (fixed at capture) small
+                                  # for short contexts
+LONG_CAP_STEP = 4                # past CONTEXT_CAPS, each cap this many times the one before, up to the context
+LONG_CAP_BATCH = 8               # the largest bucket a cap past CONTEXT_CAPS holds
 _FIELDS = 6                      # ids, positions, slots, context lengths, placeholder rows and sources (async
                                  # scheduling); then the block tables
 
 
-def graph_reserve(max_batch: int, vocab_size: int) -> int:
+def graph_reserve(max_batch: int, vocab_size: int, max_context: int = 0, num_heads: int = 0,
+                  head_dim: int = 0) -> int:
     """What the memory plan sets aside for the graphs before they exist: the persistent logits, twice the
-    biggest graph's logits in the pool (fp32 and the model dtype), and 256 MiB for the rest of its step."""
-    return 3 * max_batch * vocab_size * 4 + (256 << 20)
+    biggest graph's logits in the pool (fp32 and the model dtype), 256 MiB for the rest of its step, and, past
+    CONTEXT_CAPS, the longest cap's decode splits (fp32 partial outputs, maxima and sums of each query head, in
+    the 512-token splits that a batch of sequences over such a cap takes), which would outgrow the 256 MiB at a
+    context of about a million tokens."""
+    long_caps = context_caps(max_context, max_batch)[len(CONTEXT_CAPS):] if max_context > CONTEXT_CAPS[-1] else []
+    splits = max((b * num_heads * -(-c // 512) * (head_dim + 2) * 4 for c, b in long_caps), default=0)
+    return 3 * max_batch * vocab_size * 4 + (256 << 20) + splits
+
+
+def context_caps(max_context: int, max_batch: int) -> list[tuple[int, int]]:
+    """(cap, largest batch) of each context cap, shortest first, for a model of `max_context` tokens: the
+    CONTEXT_CAPS (or the context, where shorter) for every batch, then caps LONG_CAP_STEP times longer, the last
+    one the context itself, for up to LONG_CAP_BATCH sequences."""
+    caps = sorted({min(c, max_context) for c in CONTEXT_CAPS})
+    out = [(c, max_batch) for c in caps]
+    c = caps[-1]
+    while c < max_context:
+        c = min(c * LONG_CAP_STEP, max_context)
+        out.append((c, min(max_batch, LONG_CAP_BATCH)))
+    return out
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -64,6 +92,7 @@ class _Cap:
             a[3 * max_batch:4 * max_batch] = 1
             a[_FIELDS * max_batch:] = scratch_block      # every table entry a valid block
         self.turn = 0
+        self.buckets = batch_buckets(max_batch)
         self.dev = self.hosts[0].to(device)
         b = max_batch
         self.ids, self.pos, self.slots, self.clens = (self.dev[i * b:(i + 1) * b] for i in range(4))
@@ -78,8 +107,7 @@ class DecodeGraphs:
         self.model, self.kv_caches, self.block_size, self.device = model, kv_caches, block_size, device
         self.scratch_slot = scratch_block * block_size
         self.buckets = batch_buckets(max_batch)
-        caps = sorted({min(c, max_context) for c in CONTEXT_CAPS})
-        self.caps = [_Cap(c, max_batch, block_size, scratch_block, device) for c in caps]
+        self.caps = [_Cap(c, b, block_size, scratch_block, device) for c, b in context_caps(max_context, max_batch)]
         self.rows = torch.arange(max_batch + 1, device=device)   # sampled rows, and query_start_loc
         self.pool = None
         self.logits: torch.Tensor | None = None   # [max_batch, V] fp32, written by every graph
@@ -88,34 +116,35 @@ class DecodeGraphs:
         self.replays = 0
 
     def capture(self) -> None:
-        """Captures every (cap, bucket) graph, largest first so that smaller ones reuse its pool memory."""
+        """Captures every (cap, bucket) graph, the largest (batch × cap) first, so that smaller ones reuse its
+        pool memory (a long cap's few sequences before the 8192 cap's many)."""
         t0 = time.perf_counter()
         torch.cuda.synchronize(self.device)
         free_before = torch.cuda.mem_get_info(self.device)[0]
         self.pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
         with gc_held():                                   # no finalizer may call into CUDA mid-capture
-            for cap in reversed(self.caps):
-                for b in reversed(self.buckets):
-                    side.wait_stream(torch.cuda.current_stream(self.device))
-                    with torch.cuda.stream(side):         # warm-up, off the capture: kernels compile, cuBLAS
-                        out = self._forward(cap, b)       # sets up its workspaces
-                    torch.cuda.current_stream(self.device).wait_stream(side)
-                    if self.logits is None:
-                        self.logits = torch.empty((self.buckets[-1], out.shape[1]), dtype=out.dtype,
-                                                  device=self.device)
-                    del out
-                    torch.cuda.synchronize(self.device)
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=self.pool):
-                        self.logits[:b].copy_(self._forward(cap, b))
-                    cap.graphs[b] = g
+            for cap, b in sorted(((c, b) for c in self.caps for b in c.buckets), key=lambda cb: cb[0].cap * cb[1],
+                                 reverse=True):
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):         # warm-up, off the capture: kernels compile, cuBLAS
+                    out = self._forward(cap, b)       # sets up its workspaces
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                if self.logits is None:
+                    self.logits = torch.empty((self.buckets[-1], out.shape[1]), dtype=out.dtype,
+                                              device=self.device)
+                del out
+                torch.cuda.synchronize(self.device)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    self.logits[:b].copy_(self._forward(cap, b))
+                cap.graphs[b] = g
         torch.cuda.synchronize(self.device)
         self.memory = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
         self.capture_seconds = time.perf_counter() - t0
-        log.info("captured %d decode graphs (batches %s, context caps %s) in %.1f s, %.2f GiB",
-                 len(self.buckets) * len(self.caps), self.buckets, [c.cap for c in self.caps],
-                 self.capture_seconds, self.memory / 2**30)
+        log.info("captured %d decode graphs (batches %s; context caps %s, each up to the batch given) in %.1f s, "
+                 "%.2f GiB", sum(len(c.graphs) for c in self.caps), self.buckets,
+                 [(c.cap, c.max_batch) for c in self.caps], self.capture_seconds, self.memory / 2**30)
 
     def _forward(self, cap: _Cap, b: int) -> torch.Tensor:
         meta = AttentionMetadata(slot_mapping=cap.slots[:b], block_tables=cap.tables[:b],
@@ -134,10 +163,10 @@ class DecodeGraphs:
             return None
         starts = [s.start_pos for s in plan.seqs]
         longest = max(starts) + 1
-        cap = next((c for c in self.caps if c.cap >= longest), None)
+        cap = next((c for c in self.caps if c.cap >= longest and c.max_batch >= n), None)
         if cap is None:
             return None
-        b = next(x for x in self.buckets if x >= n)
+        b = next(x for x in cap.buckets if x >= n)
         m, w, a = cap.max_batch, cap.width, cap.nps[cap.turn]
         ids, pos, slots, clens = (a[i * m:i * m + b] for i in range(4))
         tables = a[_FIELDS * m:].reshape(m, w)

@@ -159,7 +159,8 @@ class GraphPlan:
         from .cuda_graphs import graph_reserve              # here: cuda_graphs imports this module (`capture`)
         from .piecewise_graphs import piecewise_reserve
 
-        return (graph_reserve(self.max_batch, model.spec.vocab_size)
+        spec = model.spec                                   # every head: an upper bound under tensor parallelism
+        return (graph_reserve(self.max_batch, spec.vocab_size, self.max_context, spec.num_heads, spec.head_dim)
                 + (piecewise_reserve(model, self.piecewise_tokens) if self.piecewise_tokens else 0))
 
 

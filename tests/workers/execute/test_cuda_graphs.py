@@ -13,15 +13,6 @@ from ..helpers import head_dim_model as _model, make_engine, run_engine, three_d
 pytestmark = pytest.mark.gpu
 
 
-def test_batch_buckets():
-    from mii_async.workers.execute.cuda_graphs import batch_buckets
-
-    assert batch_buckets(1) == [1]
-    assert batch_buckets(5) == [1, 2, 4, 5]
-    b = batch_buckets(256)
-    assert b[:6] == [1, 2, 4, 8, 16, 24] and b[-1] == 256 and b == sorted(set(b))
-
-
 @pytest.mark.parametrize("kernels", ["reference", "cuda"])
 def test_graph_decode_equals_eager(tmp_path, kernels):
     """Batches that need padding (3, 5, 7 sequences), and contexts past the first cap (2048): the same greedy
@@ -41,6 +32,24 @@ def test_graph_decode_equals_eager(tmp_path, kernels):
             assert g.replays > 0 and [c.cap for c in g.caps] == [512, 2048, 4096]
             assert engine.stats()["used_blocks"] == 0
     assert outs[True, True] == outs[True, False] == outs[False, False]
+
+
+def test_a_long_document_decodes_from_a_long_cap_graph(tmp_path):
+    """Contexts past 8192 tokens at a small batch replay the graphs of a long cap (32768 here): the same greedy
+    tokens as eagerly, its decode steps replayed (eagerly none would be)."""
+    path = _model(tmp_path, 256, 4, 2, 40000)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (9000, 30)]
+    outs = {}
+    for graphs in (True, False):
+        engine = make_engine(path, device="cuda", dtype="float32", num_blocks=1024, kernels="cuda",
+                             cuda_graphs=graphs, max_num_seqs=4)
+        outs[graphs] = run_engine(engine, prompts, max_new_tokens=16, min_new_tokens=16)
+        if graphs:
+            g = engine.runner.graphs
+            assert [(c.cap, c.max_batch) for c in g.caps][-2:] == [(32768, 4), (40000, 4)]
+            assert g.replays >= 10 and len(g.caps[3].graphs) == 3             # buckets 1, 2, 4
+    assert outs[True] == outs[False]
 
 
 def test_graph_logits_match_eager_in_bf16(tmp_path):
