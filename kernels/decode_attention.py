@@ -16,13 +16,14 @@ softmax (Gemma 2)."""
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 import torch
 
 from .config import DECODE_KERNELS, DEFAULT, GRID_ORDERS, KernelConfig
 from .kv_store import FP8_KV
-from .launch import launch as _launch, ptr as _ptr, sm_count as _sm_count
+from .launch import launch as _launch, ptr as _ptr, resident_blocks, sm_count as _sm_count
 
 DECODE_THREADS = 128            # NUM_THREADS in paged_attention_decode.cu
 MAX_GQA = 16                    # MAX_G there: query heads per KV head
@@ -95,10 +96,24 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if s == 0:
         return out
     span = min(max_context_len, window) if window is not None else max_context_len   # tokens a sequence reads
+    if s > 65535:
+        grid = "sequences"             # a grid's y dimension holds 65,535 blocks: the sequences go on x then
+    fp8 = k_cache.dtype == FP8_KV
+    defines = (() if grid == "kv_heads" else ("MII_SEQ_MAJOR_GRID",)) + (("MII_KV_FP8",) if fp8 else ())
+    one_pass = ("mma" if kernel == "mma" and _mma_ok(q, hkv) else
+                "stream" if kernel in ("mma", "stream") and _stream_ok(q, hkv) and not fp8 else None)
+    if one_pass is not None:
+        nwarps = DECODE_THREADS // 32
+        if one_pass == "mma":
+            nwarps = warps if warps is not None else config.mma_warps(s * hkv)
+        name = f"paged_attention_{one_pass}" + ("_w2" if one_pass == "mma" and nwarps == 2 else "")
+        ring = nwarps * (RING_BYTES_PER_WARP_FP8 if fp8 else RING_BYTES_PER_WARP)[one_pass]
     if partition is None:
-        # Fill the GPU: the longest partition that still gives 2 blocks per SM. Small batches take short ones
-        # (down to 32 tokens): a block's PV loop walks its partition serially, so that is its latency.
-        partition = next((p for p in PARTITIONS if s * hkv * -(-span // p) >= 2 * _sm_count()), PARTITIONS[-1])
+        slots = 0                      # the split kernel's shared memory grows with its partition: not known
+        if one_pass is not None:
+            slots = _sm_count() * resident_blocks(f"paged_attention_{one_pass}", name, q.dtype, 32 * nwarps,
+                                                  ring + 8 * (PARTITIONS[0] // bs + 2), defines)
+        partition = split_partition(s * hkv, span, _sm_count(), slots, bs)
     splits = max(1, -(-span // partition))
     smem = 4 * (g * d + g * partition + 32) + 8 * partition + 4 * (DECODE_THREADS // 32) * g * d
     if splits > 1:
@@ -110,27 +125,14 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     bt = block_tables.contiguous()
     cl = context_lens.contiguous()
     extra = (np.int32(window or 0), np.float32(softcap or 0.0))   # the kernels' window and softcap: 0 for none
-    if s > 65535:
-        grid = "sequences"             # a grid's y dimension holds 65,535 blocks: the sequences go on x then
-    dims, defines = ((hkv, s, splits), ()) if grid == "kv_heads" else ((s, hkv, splits), ("MII_SEQ_MAJOR_GRID",))
-    fp8 = k_cache.dtype == FP8_KV
-    if fp8:
-        defines += ("MII_KV_FP8",)
-    one_pass = ("mma" if kernel == "mma" and _mma_ok(q, hkv) else
-                "stream" if kernel in ("mma", "stream") and _stream_ok(q, hkv) and not fp8 else None)
+    dims = (hkv, s, splits) if grid == "kv_heads" else (s, hkv, splits)
     if one_pass is not None:
-        name = f"paged_attention_{one_pass}"
-        nwarps = DECODE_THREADS // 32
-        if one_pass == "mma":
-            nwarps = warps if warps is not None else config.mma_warps(s * hkv)
-            name += "_w2" if nwarps == 2 else ""
-        ring = (RING_BYTES_PER_WARP_FP8 if fp8 else RING_BYTES_PER_WARP)[one_pass]
         _launch(f"paged_attention_{one_pass}", name, q.dtype, dims, (32 * nwarps,),
                 (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(bt), _ptr(cl), _ptr(out),
                  _ptr(part_out), _ptr(part_max), _ptr(part_sum),
                  _ptr(_split_counters(s * hkv, q.device)), np.int32(hq), np.int32(hkv),
                  np.int32(bs), np.int32(bt.shape[1]), np.int32(partition), np.float32(scale), *extra),
-                shared_mem=nwarps * ring + 8 * (partition // bs + 2),  # rings, block ids
+                shared_mem=ring + 8 * (partition // bs + 2),  # rings, block ids
                 defines=defines, pdl=config.pdl)
         return out
     gbound = next(b for b in (4, 8, MAX_GQA) if g <= b)       # the kernel sized for this GQA ratio
@@ -140,6 +142,37 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
              np.int32(bs), np.int32(bt.shape[1]), np.int32(partition), np.float32(scale), *extra), shared_mem=smem,
             defines=defines, pdl=config.pdl)
     return out
+
+
+def split_partition(pairs: int, span: int, sms: int, slots: int, block_size: int) -> int:
+    """Tokens of context each block of a decode launch reads, for `pairs` (sequence, KV head) pairs over `span`
+    tokens each, on `sms` SMs that hold `slots` blocks of the kernel at once (0: not known).
+
+    Many pairs: the longest of PARTITIONS that still gives two blocks an SM. Small batches take short ones (down
+    to 32 tokens), since a block's PV loop walks its partition serially. Where those blocks make fewer than two
+    waves of the resident slots, a last wave partly full leaves most of the card idle for a block's time (one
+    sequence over 32k tokens in 512-token partitions: 512 blocks against 396 slots on an H100). The partition
+    is then the one whose waves, times its length, are fewest — a whole number of waves, each block's walk no
+    longer than needed — the longest among equals (fewer splits to combine); a multiple of the cache block."""
+    p = next((p for p in PARTITIONS if pairs * -(-span // p) >= 2 * sms), PARTITIONS[-1])
+    blocks = pairs * -(-span // p)
+    if slots <= 0 or blocks >= 2 * slots:
+        return p
+    unit = math.lcm(block_size, 16)                           # whole cache blocks and whole 16-token tiles
+    best, best_cost = p, _ceil(blocks, slots) * p
+    for waves in (1, 2, 3):
+        splits = waves * slots // pairs                       # the most splits that fit these waves
+        if splits < 1:
+            continue
+        part = max(_ceil(32, unit), _ceil(_ceil(span, splits), unit)) * unit
+        cost = _ceil(pairs * _ceil(span, part), slots) * part
+        if cost < best_cost or (cost == best_cost and part > best):
+            best, best_cost = part, cost
+    return best
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _mma_ok(q: torch.Tensor, num_kv_heads: int) -> bool:

@@ -186,10 +186,11 @@ def test_paged_attention_decode(dtype, case, kernel):
 
 
 @pytest.mark.parametrize("kernel", DECODE_KERNELS + ["mma/2"])
-@pytest.mark.parametrize("partition", DA.PARTITIONS)
+@pytest.mark.parametrize("partition", DA.PARTITIONS + (96, 336, 672))
 def test_paged_attention_decode_every_partition(partition, kernel):
     """Each split length the adaptive choice may take gives the reference's answer (contexts shorter and
-    longer than it, one that ends on its edge), in every kernel and both mma widths (mma/2: 2 warps a block)."""
+    longer than it, one that ends on its edge), in every kernel and both mma widths (mma/2: 2 warps a block);
+    the whole-wave lengths are multiples of the cache block, not powers of two."""
     kernel, _, warps = kernel.partition("/")
     clens = [1, partition, partition + 1, 3 * partition + 5, 1000]
     kc, vc, tables = _paged(clens, 8, 128, 16, torch.bfloat16, seed=partition)
