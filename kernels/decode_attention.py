@@ -115,8 +115,10 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if partition is None:
         slots = 0                      # the split kernel's shared memory grows with its partition: not known
         if one_pass is not None:
+            # asked of the default grid order's build, so that both orders take the same lengths (the same bits)
             slots = _sm_count() * resident_blocks(f"paged_attention_{one_pass}", name, q.dtype, 32 * nwarps,
-                                                  ring + 8 * (PARTITIONS[0] // bs + 2), defines)
+                                                  ring + 8 * (PARTITIONS[0] // bs + 2),
+                                                  tuple(x for x in defines if x != "MII_SEQ_MAJOR_GRID"))
         partition, even_from = split_lengths(s * hkv, span, _sm_count(), slots, bs)
         min_partition = even_from if min_partition is None else min_partition
     min_partition = partition if min_partition is None else min(min_partition, partition)
