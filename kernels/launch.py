@@ -65,6 +65,20 @@ def ptr(t: torch.Tensor) -> np.uint64:
     return np.uint64(t.data_ptr())
 
 
+@functools.cache
+def resident_blocks(module: str, name: str, dtype: torch.dtype, threads: int, shared_mem: int,
+                    defines: tuple[str, ...] = ()) -> int:
+    """Blocks of kernel `name` (`threads` wide, `shared_mem` dynamic bytes) that one SM holds at once, from the
+    driver's occupancy calculator; 0 where this CuPy does not expose it."""
+    import cupy as cp
+
+    k = _kernel(module, name, dtype, defines)
+    if shared_mem > 48 * 1024:
+        k.max_dynamic_shared_size_bytes = shared_mem
+    occupancy = getattr(cp.cuda.driver, "occupancyMaxActiveBlocksPerMultiprocessor", None)
+    return int(occupancy(k.kernel.ptr, threads, shared_mem)) if occupancy is not None else 0
+
+
 def launch(module: str, name: str, dtype: torch.dtype, grid: tuple, block: tuple, args: tuple,
            shared_mem: int = 0, defines: tuple[str, ...] = (), pdl: bool = True) -> None:
     """Launches kernel `name` of csrc/`module`.cu for `dtype`; `defines`: macros the module is compiled with

@@ -26,6 +26,16 @@ __device__ __forceinline__ int grid_num_kv_heads() { return gridDim.x; }
 #define NEG_INF (-3.0e38f)
 #endif
 
+// The tokens each split of a sequence reads: its span (the context, or the window) shared evenly by the grid's
+// splits in whole 16-token tiles, at least `min_partition` and at most `partition` (what shared memory is sized
+// for). So a sequence much shorter than the grid's context cap (a CUDA graph's) still spreads over the splits
+// instead of leaving most of them empty; min_partition == partition keeps splits of `partition` tokens from the
+// start, the last one short, and the later ones of a shorter sequence empty.
+__device__ __forceinline__ int split_length(int span, int partition, int min_partition) {
+  const int even = ((span + (int)gridDim.z - 1) / (int)gridDim.z + 15) & ~15;
+  return min(partition, max(min_partition, even));
+}
+
 // Split i's weight in the combined softmax: sum_i * exp(max_i - max); 0 for an empty split or past the end.
 __device__ __forceinline__ float split_weight(const float* pm, const float* ps, int i, int num_splits, float mx) {
   if (i >= num_splits) return 0.f;

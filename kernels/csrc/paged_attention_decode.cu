@@ -103,14 +103,15 @@ __device__ void decode_partition(const typename D::T* __restrict__ q, const type
                                  float* __restrict__ part_out, float* __restrict__ part_max,
                                  float* __restrict__ part_sum, int* __restrict__ counters, int num_q_heads,
                                  int num_kv_heads, int head_dim, int block_size, int max_blocks, int partition,
-                                 float scale, int window, float softcap) {
+                                 int min_partition, float scale, int window, float softcap) {
   constexpr int CN = Chunk<C>::N;
   typedef typename Chunk<C>::Raw Raw;
   const float kscale = scale * Chunk<C>::unit;
   const int seq = grid_seq(), kvh = grid_kvh(), split = blockIdx.z, num_splits = gridDim.z;
   const int G = num_q_heads / num_kv_heads;
-  const int ctx = (int)context_lens[seq];
-  const int start = (window > 0 ? max(0, ctx - window) : 0) + split * partition;
+  const int ctx = (int)context_lens[seq], first = window > 0 ? max(0, ctx - window) : 0;
+  const int part = split_length(ctx - first, partition, min_partition);   // ≤ partition, the layout's stride
+  const int start = first + split * part;
   const long long part_row = ((long long)seq * num_q_heads + kvh * G) * num_splits + split;  // head g adds g*num_splits
   extern __shared__ float smem[];
   float* q_s = smem;                             // [G, D] the queries, fp32
@@ -125,7 +126,7 @@ __device__ void decode_partition(const typename D::T* __restrict__ q, const type
   // The rows of the whole partition (as far as the table reaches) are read while the context length is still
   // in flight: a padded table entry is a valid block, and rows past the context are not read. Both are the
   // step's inputs, so they are read before the previous kernel is waited for; the queries after.
-  const int table_end = min(start + partition, max_blocks * block_size);
+  const int table_end = min(start + part, max_blocks * block_size);
   for (int i = threadIdx.x; start + i < table_end; i += NUM_THREADS) {
     int t = start + i;
     long long block = block_tables[(long long)seq * max_blocks + t / block_size];
@@ -134,7 +135,7 @@ __device__ void decode_partition(const typename D::T* __restrict__ q, const type
   pdl_wait();
   for (int j = threadIdx.x; j < G * head_dim; j += NUM_THREADS)
     q_s[j] = Cvt<D>::load(q[((long long)seq * num_q_heads + kvh * G) * head_dim + j]);
-  const int n = min(start + partition, ctx) - start;
+  const int n = min(start + part, ctx) - start;
   if (n > 0) {                                   // else an empty partition of a shorter sequence
     __syncthreads();
     const int chunks = head_dim / CN;              // chunks per row
@@ -313,10 +314,10 @@ __device__ void decode_partition(const typename D::T* __restrict__ q, const type
       const D::T* q, const KV(D)::T* k_cache, const KV(D)::T* v_cache, const long long* block_tables,        \
       const long long* context_lens, D::T* out, float* part_out, float* part_max, float* part_sum,           \
       int* counters, int num_q_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,        \
-      int partition, float scale, int window, float softcap) {                                                 \
+      int partition, int min_partition, float scale, int window, float softcap) {                              \
     decode_partition<D, KV(D), G>(q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_max,         \
                            part_sum, counters, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks,   \
-                           partition, scale, window, softcap);                                                 \
+                           partition, min_partition, scale, window, softcap);                                  \
   }
 #define MII_DECODE(SUFFIX, D)                                                                                  \
   MII_DECODE_G(SUFFIX, D, 4)                                                                                   \

@@ -121,14 +121,17 @@ __device__ void mma_partition(const typename D::T* __restrict__ q, const typenam
                               const long long* __restrict__ context_lens, typename D::T* __restrict__ out,
                               float* __restrict__ part_out, float* __restrict__ part_max, float* __restrict__ part_sum,
                               int* __restrict__ counters, int num_q_heads, int num_kv_heads, int block_size,
-                              int max_blocks, int partition, float scale, int window, float softcap) {
+                              int max_blocks, int partition, int min_partition, float scale, int window,
+                              float softcap) {
   typedef typename D::T T;
   const int seq = grid_seq(), kvh = grid_kvh(), split = blockIdx.z, num_splits = gridDim.z;
   const int G = num_q_heads / num_kv_heads;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int quad_row = lane >> 2, quad_col = lane & 3;   // an mma fragment's row (head) and column pair
-  // the window's first token (a step input: read before the previous kernel is waited for)
-  const int start = (window > 0 ? max(0, (int)context_lens[seq] - window) : 0) + split * partition;
+  // the window's first token and the split's length (step inputs: read before the previous kernel is waited for)
+  const int ctx = (int)context_lens[seq], first = window > 0 ? max(0, ctx - window) : 0;
+  const int part = split_length(ctx - first, partition, min_partition);
+  const int start = first + split * part;
   const long long part_row = ((long long)seq * num_q_heads + kvh * G) * num_splits + split;
   constexpr int kThreads = kWarps * 32;
   // Shared memory: the warps' rings [kWarps][STAGES][K, V][TILE][HD] (swizzled; over an e4m3 cache each followed
@@ -141,7 +144,7 @@ __device__ void mma_partition(const typename D::T* __restrict__ q, const typenam
   pdl_launch_dependents();
 
   const int b0 = start / block_size;
-  const int n = partition_start<D, kThreads>(block_tables, context_lens, blocks, start, partition, block_size,
+  const int n = partition_start<D, kThreads>(block_tables, context_lens, blocks, start, part, block_size,
                                              max_blocks, part_row, G, num_q_heads, HD, part_out, part_max,
                                              part_sum, out, counters);
   if (n == 0) return;                            // an empty partition of a shorter sequence
@@ -355,10 +358,10 @@ __device__ void mma_partition(const typename D::T* __restrict__ q, const typenam
       const D::T* q, const KV(D)::T* k_cache, const KV(D)::T* v_cache, const long long* block_tables,        \
       const long long* context_lens, D::T* out, float* part_out, float* part_max, float* part_sum,           \
       int* counters, int num_q_heads, int num_kv_heads, int block_size, int max_blocks, int partition,       \
-      float scale, int window, float softcap) {                                                                \
+      int min_partition, float scale, int window, float softcap) {                                             \
     mma_partition<D, KV(D), MMA_T(D), WARPS>(q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_max,        \
                             part_sum, counters, num_q_heads, num_kv_heads, block_size, max_blocks, partition, \
-                            scale, window, softcap);                                                          \
+                            min_partition, scale, window, softcap);                                           \
   }
 MII_MMA(paged_attention_mma_bf16, 4, 3, BF16)
 MII_MMA(paged_attention_mma_f16, 4, 3, F16)

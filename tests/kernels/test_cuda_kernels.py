@@ -17,6 +17,7 @@ from mii_async.kernels import decode_attention as DA  # noqa: E402
 from mii_async.kernels import get_ops  # noqa: E402
 from mii_async.kernels import reference as R  # noqa: E402
 from mii_async.kernels.config import KernelConfig  # noqa: E402
+from mii_async.kernels.kv_store import FP8_KV  # noqa: E402
 from mii_async.kernels.metadata import AttentionMetadata  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}
@@ -186,10 +187,11 @@ def test_paged_attention_decode(dtype, case, kernel):
 
 
 @pytest.mark.parametrize("kernel", DECODE_KERNELS + ["mma/2"])
-@pytest.mark.parametrize("partition", DA.PARTITIONS)
+@pytest.mark.parametrize("partition", DA.PARTITIONS + (96, 336, 672))
 def test_paged_attention_decode_every_partition(partition, kernel):
     """Each split length the adaptive choice may take gives the reference's answer (contexts shorter and
-    longer than it, one that ends on its edge), in every kernel and both mma widths (mma/2: 2 warps a block)."""
+    longer than it, one that ends on its edge), in every kernel and both mma widths (mma/2: 2 warps a block);
+    the whole-wave lengths are multiples of the cache block, not powers of two."""
     kernel, _, warps = kernel.partition("/")
     clens = [1, partition, partition + 1, 3 * partition + 5, 1000]
     kc, vc, tables = _paged(clens, 8, 128, 16, torch.bfloat16, seed=partition)
@@ -200,6 +202,31 @@ def test_paged_attention_decode_every_partition(partition, kernel):
     out = K.paged_attention_decode(q, kc, vc, meta.block_tables, meta.context_lens, max(clens), 128 ** -0.5,
                                    partition=partition, kernel=kernel, warps=int(warps) if warps else None)
     assert rel(out, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("kernel", DECODE_KERNELS + ["mma/2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, "fp8"])
+@pytest.mark.parametrize("window", [None, 700])
+def test_decode_splits_shared_evenly(kernel, dtype, window):
+    """A launch sized for a context cap far past its sequences' contexts (a long-cap CUDA graph: 49 splits of up
+    to 672 tokens over 32768), with each sequence's span shared evenly by the splits (min_partition 32) and in
+    fixed splits (min_partition = partition): the reference's answer either way, over contexts of 1 token to
+    the cap, within a sliding window and without; over an e4m3 cache too."""
+    kernel, _, warps = kernel.partition("/")
+    clens = [1, 17, 300, 9000, 20000, 32768]
+    fp8 = dtype == "fp8"
+    kc, vc, tables = _paged(clens, 8, 128, 16, torch.bfloat16, seed=11)
+    q = torch.randn(len(clens), 32, 128, device="cuda").to(torch.bfloat16)
+    meta = _meta([1] * len(clens), clens, tables)
+    if fp8:                                      # the reference reads the e4m3 values the kernels read
+        kc, vc = kc.to(FP8_KV), vc.to(FP8_KV)
+    ref = R.paged_attention(q.float(), kc.float(), vc.float(), meta, 128 ** -0.5, window=window)
+    for least in (32, 672):
+        poison()
+        out = K.paged_attention_decode(q, kc, vc, meta.block_tables, meta.context_lens, 32768, 128 ** -0.5,
+                                       partition=672, min_partition=least, kernel=kernel, window=window,
+                                       warps=int(warps) if warps else None)
+        assert rel(out, ref) < TOL[torch.bfloat16], least
 
 
 @pytest.mark.parametrize("kernel", DECODE_KERNELS + ["mma/2"])
