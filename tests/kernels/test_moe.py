@@ -243,6 +243,7 @@ def test_few_tokens_route_to_real_experts_whatever_the_logits(fill):
         assert ids[:, 0].tolist() == [7, 7] and ids[:, 1:].tolist() == [[0, 1], [0, 1]]
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("e,k,h,f", [(128, 8, 2048, 768), (8, 2, 1024, 512), (16, 3, 264, 256),
                                      (8, 2, 1024, 1792), (8, 2, 512, 3584)])
