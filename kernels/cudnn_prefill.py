@@ -179,7 +179,7 @@ def _build(cudnn, key: _Key, device: torch.device) -> _Graph:
 def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
             out: torch.Tensor) -> None:
     """The prompt-chunk rows of q [T, Hq, D] (from meta.num_decodes on) attending causally over their sequences'
-    cached keys, written into the same rows of `out` [T, Hq, D] (contiguous). `supported` must hold."""
+    cached keys, written into the same rows of `out` [T, Hq, D]. `supported` must hold."""
     cudnn = _cudnn()
     nd = meta.num_decodes
     hq, d = q.shape[1], q.shape[2]
@@ -192,9 +192,11 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
     g = _graphs.get(key)
     if g is None:
         g = _graphs[key] = _build(cudnn, key, q.device)
-    assert out.is_contiguous() and out.shape == q.shape, "out: contiguous [T, Hq, D] like q"
+    rows = out if out.is_contiguous() else torch.empty_like(q)     # cuDNN writes packed [T, Hq, D] rows
     handle = _handle(cudnn, q.device)
     cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(q.device).cuda_stream)
-    g.graph.execute({g.q: q[nd:], g.k: k_cache, g.v: v_cache, g.o: out[nd:], g.q_offsets: inputs.offsets,
+    g.graph.execute({g.q: q[nd:], g.k: k_cache, g.v: v_cache, g.o: rows[nd:], g.q_offsets: inputs.offsets,
                      g.o_offsets: inputs.offsets, g.seq_q: inputs.seq_q, g.seq_kv: inputs.seq_kv,
                      g.table: inputs.table}, g.workspace, handle=handle)
+    if rows is not out:
+        out[nd:] = rows[nd:]
