@@ -7,7 +7,8 @@ on Q and O), each sequence's keys are read through its block table (cuDNN's page
 mask is aligned bottom-right per sequence from its real lengths (padding mask): query j of a chunk of L over
 a context of C sees keys ≤ C − L + j. Lengths, offsets and tables are device tensors filled once a step and
 shared by every layer (`meta.memo`); a graph is built (some 0.1–0.5 s, logged) the first time its bucket is
-met: sequences a step, the longest chunk, the longest context, each rounded up to a power of two.
+met: sequences a step, the longest chunk, the longest context, each rounded up to a power of four (from 1, 128
+and 1024 cache blocks).
 
 What it does not take goes to the flash path (kernels/prefill_attention.py): an FP8 cache, a sliding window,
 soft-capped scores, a head dim cuDNN does not take, a block size that is not a power of two.
@@ -26,7 +27,9 @@ from .metadata import AttentionMetadata
 log = logging.getLogger("mii_async.kernels.cudnn_prefill")
 MIN_BACKEND = 90700             # paged K/V with ragged queries (cuDNN 9.7)
 MIN_BUCKET_Q = 128              # the query bucket's floor: cuDNN's prefill tiles
-MIN_BUCKET_PAGES = 64           # the context bucket's floor, in cache blocks
+MIN_BUCKET_PAGES = 1024         # the context bucket's floor, in cache blocks (16k tokens in blocks of 16)
+BUCKET_STEP = 4                 # each bucket this many times the one below: few graphs to build, and a launch
+                                # sized at most 4x the step (tiles past a chunk's end do nothing)
 
 
 @functools.cache
@@ -103,8 +106,11 @@ _graphs: dict[_Key, _Graph] = {}
 
 
 def bucket(n: int, floor: int) -> int:
-    """n rounded up to a power of two, at least `floor`."""
-    return max(floor, 1 << max(0, n - 1).bit_length())
+    """The smallest floor · BUCKET_STEP^k that holds n."""
+    b = floor
+    while b < n:
+        b *= BUCKET_STEP
+    return b
 
 
 def step_inputs(meta: AttentionMetadata, heads: int, head_dim: int, block_size: int,

@@ -368,15 +368,16 @@ def test_cudnn_prefill_attention(dtype, case):
 
 def test_cudnn_prefill_reuses_its_graph_across_steps():
     """Steps of other lengths in the same bucket (sequences, longest chunk, longest context, each to a power of
-    two) run the graph built for the first, over one cache as an engine's; each gives the reference's answer;
-    a longer context builds one more."""
+    four) run the graph built for the first, over one cache as an engine's; each gives the reference's answer;
+    a longer chunk builds one more."""
     pytest.importorskip("cudnn")
     from mii_async.kernels import cudnn_prefill as C
 
     C._graphs.clear()
     g = torch.Generator(device="cuda").manual_seed(5)
     kc, vc = (torch.randn(400, 16, 8, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
-    for qlens, clens in (([100, 30], [900, 30]), ([128, 7], [128, 1000]), ([64, 1], [3000, 2])):
+    for qlens, clens in (([100, 30], [900, 30]), ([128, 7], [128, 1000]), ([64, 1], [3000, 2]),
+                         ([400, 3], [400, 3000])):
         perm = torch.randperm(400, device="cuda", generator=g)
         need = [-(-c // 16) for c in clens]
         tables = torch.zeros(len(clens), max(need), dtype=torch.int64, device="cuda")
