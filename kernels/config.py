@@ -40,8 +40,9 @@ class KernelConfig:
     # (gemv.cu, gemv_fp8.cu) asks L2 for before it waits on the kernel ahead of it; 0: none.
     gemv_prefetch: int = 16 << 10
     # Prompt chunks' attention (kernels/prefill_attention.py): "flash" (torch's variable-length flash attention,
-    # a group of chunks a call) or "cudnn" (cuDNN's fused attention, a sequence at a time: the earlier chunks
-    # and the chunk itself apart, merged by log-sum-exp), each taking the other's way where it does not apply.
+    # a group of chunks a call, over keys gathered from the cache) or "cudnn" (cuDNN's fused attention over the
+    # paged cache in place, every chunk of the step in one call; kernels/cudnn_prefill.py), which leaves to
+    # flash what it does not take (an FP8 cache, a window, soft-capped scores) or where its frontend is absent.
     prefill_attention: str = "flash"
 
     def __post_init__(self) -> None:
