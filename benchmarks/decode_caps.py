@@ -49,7 +49,6 @@ def main(argv: list[str] | None = None) -> None:
             us = timed(lambda: DA.paged_attention_decode(q, kc, vc, tables, lens, cap, 0.088, **kw))
             line += f" {name} {us:.1f} ({100 * floor / us:.0f}%{'' if err < 1e-2 else ' ERR %.3g' % err})"
         print(line, flush=True)
-        del kc, vc
 
 
 if __name__ == "__main__":
