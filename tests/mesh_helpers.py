@@ -15,7 +15,7 @@ def alive(pid: int) -> bool:
         return False
 
 
-def wait_gone(pids: list[int], timeout_s: float = 15.0) -> list[int]:
+def wait_gone(pids: list[int], timeout_s: float = 60.0) -> list[int]:
     """Waits for every pid to exit; returns those still running after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -108,7 +108,7 @@ def test_parent_death_stops_the_deployment(default_model_dir, tmp_path):
         assert len(pids) == 2 and all(alive(p) for p in pids)
         proc.kill()
         proc.wait()
-        assert not wait_gone(pids, timeout_s=15), "orphans after the parent died"
+        assert not wait_gone(pids, timeout_s=60), "orphans after the parent died"
     finally:
         proc.kill()
 
