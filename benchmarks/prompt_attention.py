@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from .gemm_tiles import timer
+
 BLOCK = 16
 POOL_BLOCKS = 25000
 CASES = (([1800], [7900]), ([2048], [2048]), ([2048], [32000]), ([512] * 4, [4000, 5000, 6000, 7000]),
@@ -32,22 +34,11 @@ def _metadata(qlens, clens, tables):
                              max(clens), list(qlens), list(clens))
 
 
-def _time_ms(fn) -> float:
-    times = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[5]
-
-
 def main() -> None:
     from mii_async.kernels import cuda as K
     from mii_async.kernels.config import KernelConfig
 
+    median_s = timer(torch.device("cuda"))
     g = torch.Generator(device="cuda").manual_seed(0)
     kc = torch.randn(POOL_BLOCKS, BLOCK, 8, 128, device="cuda", dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
@@ -70,7 +61,7 @@ def main() -> None:
             outs[kern] = K.paged_attention(q, kc, vc, meta, 0.088, config=cfg)
             torch.cuda.synchronize()
             first = time.perf_counter() - t0
-            ms = _time_ms(lambda: K.paged_attention(q, kc, vc, meta, 0.088, config=cfg))
+            ms = median_s(lambda: K.paged_attention(q, kc, vc, meta, 0.088, config=cfg), 10) * 1e3
             line += f" {kern} {ms:.3f} ms ({flops / ms / 1e9:.0f} TF/s, first {first:.2f} s)"
         a, b = outs["flash"][meta.num_decodes:].float(), outs["cudnn"][meta.num_decodes:].float()
         print(line + f" rel {float((a - b).norm() / a.norm()):.2e}", flush=True)
